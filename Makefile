@@ -1,0 +1,35 @@
+# Two commands do all the set-up: `make train` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+DATA   := data/synthetic
+CONFIG ?= tiny
+
+.PHONY: venv data train test lint clean-logs
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	@touch $(STAMP)
+
+# the demo data set (about 120 MB): 730 six-hourly samples per split on a 32 x 64 grid
+data: $(DATA)/stats/global_stds.npy
+
+$(DATA)/stats/global_stds.npy: | $(STAMP)
+	$(BIN)/python scripts/make_synthetic_era5.py --output_dir $(DATA) --img_size 32 64 --samples_per_year 730
+
+train: venv data
+	$(BIN)/python train.py --config $(CONFIG)
+
+lint: venv
+	$(BIN)/ruff check .
+
+test: venv lint
+	$(BIN)/python -m pytest
+
+clean-logs:
+	rm -rf logs

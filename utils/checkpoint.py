@@ -1,0 +1,44 @@
+"""Atomic checkpoints: written to a temporary file, flushed, then renamed into place.
+
+A rename within one directory is atomic on POSIX file systems, so a process killed while
+writing leaves the previous checkpoint untouched and loadable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+def save_atomic(state: dict[str, Any], path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as err:  # a truncated or foreign file: say which and what to do
+        raise ValueError(f"checkpoint {path} cannot be read ({err}); delete it to start over") from err

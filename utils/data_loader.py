@@ -1,0 +1,230 @@
+"""ERA5 samples from HDF5 year files, and the PyTorch DataLoader over them.
+
+A sample is (normalised fields[t], normalised fields[t + dt]) from one year file: pairs
+never cross a year boundary. Sample indices run over the year files in sorted order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from utils.config import Config
+from utils.era5 import STATS_FILES
+
+log = logging.getLogger(__name__)
+
+GENERATE_HINT = (
+    "generate synthetic data with `make data` (or `python scripts/make_synthetic_era5.py "
+    "--output_dir DIR --img_size H W`), or point --data_dir at the NERSC ERA5 copy "
+    "(/pscratch/sd/s/shas1693/data/sc23_tutorial_data/downsampled on Perlmutter)"
+)
+
+
+class DataError(ValueError):
+    """The data on disk does not match what the configuration asks for."""
+
+
+@dataclass(frozen=True)
+class YearFile:
+    path: Path
+    n_steps: int
+
+
+def split_dir(data_dir: Path, split: str) -> Path:
+    return Path(data_dir) / split
+
+
+def _check_year_file(path: Path, n_channels: int, img_size: tuple[int, int], dt: int) -> YearFile:
+    try:
+        f = h5py.File(path, "r")
+    except OSError as err:
+        raise DataError(f"{path} is not a readable HDF5 file ({err}); regenerate or re-copy it") from err
+    with f:
+        if "fields" not in f:
+            raise DataError(f"{path} has no dataset 'fields' (found: {', '.join(f) or 'nothing'}); "
+                            f"expected fields of shape (T, C, H, W)")
+        shape = f["fields"].shape
+    if len(shape) != 4:
+        raise DataError(f"{path}: 'fields' has shape {shape}, expected (T, C, H, W)")
+    t, c, h, w = shape
+    if c != n_channels:
+        raise DataError(f"{path} has {c} channels but n_in_channels is {n_channels}; "
+                        f"use matching data or set n_in_channels")
+    if h < img_size[0] or w < img_size[1]:
+        raise DataError(f"{path} holds {h} x {w} fields, smaller than img_size "
+                        f"{img_size[0]} x {img_size[1]}; lower img_size or regenerate the data")
+    if t < dt + 1:
+        raise DataError(f"{path} has {t} time steps, too few for dt={dt} (needs at least {dt + 1})")
+    return YearFile(path, t)
+
+
+def find_year_files(data_dir: Path, split: str, cfg: Config) -> list[YearFile]:
+    """The split's year files, checked against the configuration."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"data directory {data_dir} does not exist; {GENERATE_HINT}")
+    folder = split_dir(data_dir, split)
+    paths = sorted(folder.glob("*.h5")) if folder.is_dir() else []
+    if not paths:
+        raise DataError(f"no .h5 files in {folder}; {GENERATE_HINT}")
+    return [_check_year_file(p, cfg.n_in_channels, cfg.img_size, cfg.dt) for p in paths]
+
+
+def load_stats(data_dir: Path, n_channels: int) -> dict[str, np.ndarray]:
+    """Global means and stds as float32 arrays of shape (1, C, 1, 1)."""
+    stats = {}
+    for name in ("global_means", "global_stds"):
+        path = Path(data_dir) / "stats" / STATS_FILES[name]
+        if not path.is_file():
+            raise DataError(f"missing statistics file {path}; {GENERATE_HINT}")
+        array = np.load(path).astype(np.float32)
+        if array.shape != (1, n_channels, 1, 1):
+            raise DataError(f"{path} has shape {array.shape}, expected (1, {n_channels}, 1, 1)")
+        stats[name] = array
+    if np.any(stats["global_stds"] <= 0):
+        raise DataError(f"{data_dir}/stats/global_stds.npy has non-positive entries")
+    return stats
+
+
+class ERA5Dataset(Dataset):
+    """Pairs (x_t, x_{t+dt}) normalised with the global statistics.
+
+    File handles are opened lazily, per worker process: h5py handles cannot be pickled
+    into DataLoader workers, and each worker needs its own.
+    """
+
+    def __init__(self, cfg: Config, split: str, limit: int | None = None) -> None:
+        self.data_dir = cfg.data_path
+        self.files = find_year_files(self.data_dir, split, cfg)
+        stats = load_stats(self.data_dir, cfg.n_in_channels)
+        self.means, self.stds = stats["global_means"][0], stats["global_stds"][0]  # (C, 1, 1)
+        self.dt = cfg.dt
+        self.img_size = cfg.img_size
+        self.n_out = cfg.n_out_channels
+        self.samples_per_file = [f.n_steps - self.dt for f in self.files]
+        self.offsets = np.cumsum([0] + self.samples_per_file)
+        total = int(self.offsets[-1])
+        self.n_samples = min(total, limit) if limit is not None else total
+        self._handles: dict[int, h5py.Dataset] = {}
+        log.info("%s: %d samples from %d files in %s", split, self.n_samples, len(self.files),
+                 split_dir(self.data_dir, split))
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        return state
+
+    def __len__(self) -> int:
+        return self.n_samples
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """Global sample index -> (file number, time step within that file)."""
+        if not 0 <= index < self.n_samples:
+            raise IndexError(f"sample {index} out of range [0, {self.n_samples})")
+        file_no = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return file_no, index - int(self.offsets[file_no])
+
+    def _fields(self, file_no: int) -> h5py.Dataset:
+        if file_no not in self._handles:
+            self._handles[file_no] = h5py.File(self.files[file_no].path, "r")["fields"]
+        return self._handles[file_no]
+
+    def read_raw(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Un-normalised (fields[t], fields[t + dt]) cropped to img_size, float32."""
+        file_no, t = self.locate(index)
+        h, w = self.img_size
+        fields = self._fields(file_no)
+        return fields[t, :, :h, :w], fields[t + self.dt, :, :h, :w]
+
+    def normalise(self, x: np.ndarray) -> np.ndarray:
+        return (x - self.means) / self.stds
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inp, tar = self.read_raw(index)
+        inp = self.normalise(inp)
+        tar = self.normalise(tar)[: self.n_out]
+        return torch.from_numpy(inp), torch.from_numpy(np.ascontiguousarray(tar))
+
+
+class ShardedSampler(Sampler[int]):
+    """Each of ``num_shards`` ranks takes every num_shards-th index of one shared order.
+
+    The order is a permutation seeded by (seed, epoch), identical on every rank, when
+    ``shuffle``; the natural order otherwise. With ``drop_last`` the order is cut to a
+    multiple of num_shards * batch_size so every rank runs the same number of full
+    batches; without it, ranks may hold one sample fewer (no padding, so validation
+    sees each sample exactly once). ``start_batch`` skips the batches already trained
+    in this epoch, for an exact resume from a mid-epoch checkpoint.
+    """
+
+    def __init__(self, n_samples: int, num_shards: int = 1, shard_id: int = 0,
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False,
+                 batch_size: int = 1) -> None:
+        if not 0 <= shard_id < num_shards:
+            raise ValueError(f"shard_id {shard_id} not in [0, {num_shards})")
+        self.n_samples, self.num_shards, self.shard_id = n_samples, num_shards, shard_id
+        self.shuffle, self.seed, self.drop_last, self.batch_size = shuffle, seed, drop_last, batch_size
+        self.epoch = 0
+        self.start_batch = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def epoch_order(self) -> list[int]:
+        """This rank's indices for the current epoch, before skipping."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+            order = torch.randperm(self.n_samples, generator=g).tolist()
+        else:
+            order = list(range(self.n_samples))
+        if self.drop_last:
+            per_step = self.num_shards * self.batch_size
+            order = order[: (len(order) // per_step) * per_step]
+        return order[self.shard_id :: self.num_shards]
+
+    def __iter__(self):
+        return iter(self.epoch_order()[self.start_batch * self.batch_size :])
+
+    def __len__(self) -> int:
+        return max(0, len(self.epoch_order()) - self.start_batch * self.batch_size)
+
+
+def batches_per_epoch(n_samples: int, num_shards: int, batch_size: int, drop_last: bool) -> int:
+    if drop_last:
+        return n_samples // (num_shards * batch_size)
+    return math.ceil(math.ceil(n_samples / num_shards) / batch_size)
+
+
+def get_data_loader(cfg: Config, split: str, local_batch_size: int, train: bool,
+                    num_shards: int = 1, shard_id: int = 0, pin_memory: bool = False
+                    ) -> tuple[DataLoader, ERA5Dataset, ShardedSampler]:
+    """DataLoader for one split. Training shuffles per epoch and drops the last partial
+    global batch; validation keeps every sample in file order."""
+    limit = cfg.limit_nsamples if train else cfg.limit_nsamples_val
+    dataset = ERA5Dataset(cfg, split, limit)
+    if train and len(dataset) < num_shards * local_batch_size:
+        raise DataError(
+            f"{split} has {len(dataset)} samples, fewer than one global batch "
+            f"({num_shards} x {local_batch_size}); lower the batch size or add data"
+        )
+    sampler = ShardedSampler(len(dataset), num_shards, shard_id, shuffle=train, seed=cfg.seed,
+                             drop_last=train, batch_size=local_batch_size)
+    workers = cfg.num_data_workers
+    loader = DataLoader(
+        dataset,
+        batch_size=local_batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,
+        drop_last=train,
+    )
+    return loader, dataset, sampler

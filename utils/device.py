@@ -1,0 +1,134 @@
+"""Everything that differs between a GPU and a CPU run, in one place.
+
+Nothing else in the project calls ``torch.cuda`` directly: device choice, the
+process-group backend, autocast, the gradient scaler, synchronisation, memory
+statistics, NVTX ranges and the CUDA profiler switch all live here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+AMP_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def pick_device(local_rank: int = 0) -> torch.device:
+    """The GPU of this local rank when CUDA is there, else the CPU."""
+    if cuda_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def set_cpu_threads(ranks_on_node: int) -> None:
+    """Share this node's cores between its ranks unless the user chose OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, ranks_on_node)))
+
+
+def configure_matmul(device: torch.device, allow_tf32: bool = True) -> None:
+    """TF32 tensor cores for fp32 matmuls on Ampere and newer (no effect on CPU)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+        torch.backends.cudnn.allow_tf32 = allow_tf32
+
+
+def autocast(device: torch.device, amp_mode: str) -> contextlib.AbstractContextManager:
+    """Mixed-precision region for the forward pass; a no-op for amp_mode 'none'."""
+    dtype = AMP_DTYPES[amp_mode]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def make_grad_scaler(device: torch.device, amp_mode: str) -> torch.amp.GradScaler | None:
+    """fp16 needs loss scaling to keep small gradients from underflowing; bf16 does not."""
+    if amp_mode != "fp16":
+        return None
+    return torch.amp.GradScaler(device.type)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """Allocator peak on CUDA; None on CPU, where there is no allocator to ask."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return None
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if cuda_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and cuda_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str) -> Iterator[None]:
+    """A named range: NVTX for Nsight Systems on CUDA, a profiler label everywhere.
+
+    ``torch.cuda.nvtx`` raises on CPU-only builds, so it is only touched with CUDA.
+    """
+    use_nvtx = cuda_available()
+    if use_nvtx:
+        torch.cuda.nvtx.range_push(name)
+    try:
+        with torch.profiler.record_function(name):
+            yield
+    finally:
+        if use_nvtx:
+            torch.cuda.nvtx.range_pop()
+
+
+def cuda_profiler_start() -> None:
+    """Open the capture window of `nsys profile -c cudaProfilerApi` (no-op on CPU)."""
+    if cuda_available():
+        torch.cuda.cudart().cudaProfilerStart()
+
+
+def cuda_profiler_stop() -> None:
+    if cuda_available():
+        torch.cuda.cudart().cudaProfilerStop()
+
+
+def require_cuda(feature: str) -> None:
+    """Exit with one line when a GPU-only feature is asked for on a machine without CUDA."""
+    if not cuda_available():
+        raise SystemExit(f"{feature} need a GPU with CUDA; this machine has none. "
+                         f"Run train.py instead.")

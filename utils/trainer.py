@@ -1,0 +1,365 @@
+"""The training loop, written once for train.py, train_graph.py and train_mp.py.
+
+:class:`Trainer` builds every component from a validated :class:`Config` and a
+:class:`RunContext` (device, ranks, run directory), then :meth:`Trainer.fit` runs
+exactly ``num_iters`` optimizer steps with validation after every epoch. Entry scripts
+change what they need by subclassing: the model (tensor parallel) or the step
+(CUDA Graphs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.tensorboard import SummaryWriter
+
+from networks.vit import build_vit, count_parameters
+from utils import checkpoint as ckpt
+from utils import device as dev
+from utils.config import Config
+from utils.data_loader import get_data_loader
+from utils.distributed import all_reduce_sum
+from utils.era5 import CHANNELS
+from utils.metrics import (
+    latitude_weights,
+    relative_l2_loss,
+    relative_l2_per_sample,
+    weighted_rmse_per_sample,
+)
+
+log = logging.getLogger(__name__)
+
+LOGGED_CHANNELS = ("u10m", "t2m")  # RMSE of these goes to TensorBoard
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (for example the loss became NaN)."""
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Runtime facts that are not configuration."""
+
+    device: torch.device
+    run_dir: Path
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    # data parallel: how many replicas see different data, and this rank's place
+    dp_size: int = 1
+    dp_rank: int = 0
+    dp_group: Any = None  # torch.distributed.ProcessGroup; None = the default group
+    use_ddp: bool = True  # False for --noddp: every rank trains alone
+    ddp_options: dict = field(default_factory=dict)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def local_batch_size(global_batch: int, dp_size: int, override: int | None = None) -> int:
+    """Each data-parallel replica's share of the global batch."""
+    if override is not None:
+        if override < 1:
+            raise ValueError(f"--local_batch_size must be at least 1, got {override}")
+        return override
+    if global_batch % dp_size:
+        raise ValueError(
+            f"global_batch_size {global_batch} is not divisible by the {dp_size} data-parallel "
+            f"ranks; choose a batch that is a multiple of {dp_size} or pass --local_batch_size"
+        )
+    return global_batch // dp_size
+
+
+def make_lr_lambda(cfg: Config):
+    """Linear warmup over ``warmup`` steps, then cosine decay to 0 at ``num_iters``."""
+
+    def factor(step: int) -> float:
+        if cfg.warmup and step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = (step - cfg.warmup) / max(1, cfg.num_iters - cfg.warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+class Batches:
+    """The PyTorch DataLoader behind the small interface the loop needs.
+
+    Other loaders (DALI) implement the same: ``set_epoch(epoch, start_batch)``,
+    iteration over (input, target) batches, and ``batches_per_epoch``.
+    """
+
+    def __init__(self, loader, sampler) -> None:
+        self.loader, self.sampler = loader, sampler
+        self.batches_per_epoch = len(sampler.epoch_order()) // loader.batch_size if loader.drop_last \
+            else math.ceil(len(sampler.epoch_order()) / loader.batch_size)
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.sampler.set_epoch(epoch, start_batch)
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ctx: RunContext, local_batch: int) -> None:
+        self.cfg, self.ctx, self.local_batch = cfg, ctx, local_batch
+        self.device = ctx.device
+        dev.seed_all(cfg.seed)
+        dev.configure_matmul(self.device)
+        self.train_data = self.build_data("train", train=True)
+        self.valid_data = self.build_data("valid", train=False)
+        self.model = self.build_model().to(self.device)
+        self.n_params = count_parameters(self.model)
+        self.model = self.wrap_model(self.model)
+        self.forward = torch.compile(self.model) if cfg.enable_jit else self.model
+        self.loss_fn = torch.compile(relative_l2_loss) if cfg.enable_jit else relative_l2_loss
+        self.optimizer = self.build_optimizer()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg))
+        self.scaler = dev.make_grad_scaler(self.device, cfg.amp_mode)
+        self.lat_weights = latitude_weights(cfg.img_size[0], self.device)
+        self.step = 0  # optimizer steps done
+        self.epoch_loss = torch.zeros((), device=self.device)  # running sum in this epoch
+        self.epoch_steps = 0
+        self.writer: SummaryWriter | None = None
+
+    # ------------------------------------------------------------------ building ---
+    def build_data(self, split: str, train: bool) -> Batches:
+        loader, _, sampler = get_data_loader(
+            self.cfg, split, self.local_batch, train, num_shards=self.ctx.dp_size,
+            shard_id=self.ctx.dp_rank, pin_memory=self.device.type == "cuda")
+        return Batches(loader, sampler)
+
+    def build_model(self) -> nn.Module:
+        return build_vit(self.cfg)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if self.ctx.dp_size == 1 or not self.ctx.use_ddp:
+            return model
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, process_group=self.ctx.dp_group,
+                                       **self.ctx.ddp_options)
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95),
+                                fused=self.cfg.enable_fused or None)
+
+    # --------------------------------------------------------------------- steps ---
+    def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        """One optimizer step; returns the loss as a device tensor (no host sync)."""
+        with dev.nvtx_range("forward"):
+            with dev.autocast(self.device, self.cfg.amp_mode):
+                pred = self.forward(inp)
+            loss = self.loss_fn(pred.float(), tar)
+        with dev.nvtx_range("backward"):
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        with dev.nvtx_range("optimizer"):
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        return loss.detach()
+
+    def to_device(self, inp: torch.Tensor, tar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        nb = self.device.type == "cuda"
+        return inp.to(self.device, non_blocking=nb), tar.to(self.device, non_blocking=nb)
+
+    def train_epoch(self, epoch: int, start_batch: int) -> int:
+        """Train from ``start_batch`` to the end of the epoch or of training; returns steps run."""
+        self.model.train()
+        self.train_data.set_epoch(epoch, start_batch)
+        done = 0
+        for inp, tar in self.train_data:
+            if self.step >= self.cfg.num_iters:
+                break
+            with dev.nvtx_range(f"step {self.step}"):
+                with dev.nvtx_range(f"data copy in {self.step}"):
+                    inp, tar = self.to_device(inp, tar)
+                self.epoch_loss += self.train_step(inp, tar)
+            self.step += 1
+            self.epoch_steps += 1
+            done += 1
+            if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0 \
+                    and self.step < self.cfg.num_iters:
+                self.save_checkpoint()
+        return done
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, Any]:
+        """Loss and latitude-weighted RMSE per channel, averaged over every validation
+        sample of every data-parallel rank (by sample count, not by step count)."""
+        self.model.eval()
+        n_out = self.cfg.n_out_channels
+        # sums: [loss, count, rmse(C), persistence rmse(C)]
+        sums = torch.zeros(2 + 2 * n_out, device=self.device, dtype=torch.float64)
+        example = None
+        self.valid_data.set_epoch(0)
+        for inp, tar in self.valid_data:
+            inp, tar = self.to_device(inp, tar)
+            with dev.autocast(self.device, self.cfg.amp_mode):
+                pred = self.forward(inp)
+            pred = pred.float()
+            b = inp.shape[0]
+            sums[0] += relative_l2_per_sample(pred, tar).sum()
+            sums[1] += b
+            sums[2 : 2 + n_out] += weighted_rmse_per_sample(pred, tar, self.lat_weights).sum(0)
+            persistence = inp[:, :n_out]
+            sums[2 + n_out :] += weighted_rmse_per_sample(persistence, tar, self.lat_weights).sum(0)
+            if example is None:
+                example = (pred[0].cpu(), tar[0].cpu())
+        all_reduce_sum(sums, self.ctx.dp_group)
+        count = sums[1].item()
+        if count == 0:
+            raise TrainingError("the validation set is empty on every rank")
+        rmse = (sums[2 : 2 + n_out] / count).tolist()
+        pers = (sums[2 + n_out :] / count).tolist()
+        return {
+            "loss": sums[0].item() / count,
+            "samples": int(count),
+            "rmse": dict(zip(CHANNELS[:n_out], rmse)),
+            "persistence": dict(zip(CHANNELS[:n_out], pers)),
+            "example": example,
+        }
+
+    # --------------------------------------------------------------- checkpoints ---
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.ctx.run_dir / ckpt.CHECKPOINT_NAME
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """Full (consolidated) weights; tensor-parallel trainers gather their shards."""
+        model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        return model.state_dict()
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        model.load_state_dict(state)
+
+    def state_dict(self) -> dict[str, Any]:
+        epoch_loss = all_reduce_sum(self.epoch_loss.clone(), self.ctx.dp_group)
+        return {
+            "model": self.model_state(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "step": self.step,
+            "epoch_loss_sum": epoch_loss.item(),  # summed over data-parallel ranks
+            "epoch_steps": self.epoch_steps,
+            "rng": {"device": dev.rng_state(), "numpy": np.random.get_state(),
+                    "python": random.getstate()},
+            "config": self.cfg.to_dict(),
+        }
+
+    def save_checkpoint(self) -> None:
+        state = self.state_dict()  # every rank joins the reductions inside
+        if self.ctx.is_main:
+            ckpt.save_atomic(state, self.checkpoint_path)
+            log.info("checkpoint at step %d written to %s", self.step, self.checkpoint_path)
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = ckpt.load(path)
+        self.load_model_state(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.step = state["step"]
+        # the epoch's loss sum so far goes to one rank, so the epoch-end reduction counts it once
+        self.epoch_loss.fill_(state["epoch_loss_sum"] if self.ctx.dp_rank == 0 else 0.0)
+        self.epoch_steps = state["epoch_steps"]
+        dev.set_rng_state(state["rng"]["device"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # ------------------------------------------------------------------- logging ---
+    def open_writer(self) -> None:
+        if self.ctx.is_main:
+            self.writer = SummaryWriter(log_dir=str(self.ctx.run_dir), purge_step=self.step or None)
+
+    def log_epoch(self, epoch: int, seconds: float, steps: int, train_loss: float,
+                  val: dict[str, Any], val_seconds: float) -> None:
+        samples = steps * self.local_batch * self.ctx.dp_size
+        rate = samples / seconds if seconds > 0 else float("nan")
+        log.info("Time taken for epoch %d is %.2f sec, avg %.2f samples/sec", epoch + 1, seconds, rate)
+        log.info("  Avg train loss=%.6f", train_loss)
+        log.info("  Avg val loss=%.6f", val["loss"])
+        log.info("  Total validation time: %.2f sec", val_seconds)
+        if self.writer is None:
+            return
+        w, s = self.writer, self.step
+        w.add_scalar("Loss/train", train_loss, s)
+        w.add_scalar("Loss/valid", val["loss"], s)
+        for ch in LOGGED_CHANNELS:
+            if ch in val["rmse"]:
+                w.add_scalar(f"RMSE({ch})/valid", val["rmse"][ch], s)
+                w.add_scalar(f"RMSE({ch})/persistence", val["persistence"][ch], s)
+        w.add_scalar("Learning Rate", self.optimizer.param_groups[0]["lr"], s)
+        w.add_scalar("Avg iters per sec", steps / seconds if seconds > 0 else 0.0, s)
+        w.add_scalar("Avg samples per sec", rate, s)
+        if val["example"] is not None and "t2m" in val["rmse"]:
+            from utils.plots import target_vs_prediction
+
+            w.add_figure("Predictions/t2m", target_vs_prediction(*val["example"], "t2m"), s)
+        w.flush()
+        record = {"epoch": epoch + 1, "step": s, "train_loss": train_loss, "val_loss": val["loss"],
+                  "samples_per_sec": rate, "epoch_seconds": seconds,
+                  "rmse": val["rmse"], "persistence": val["persistence"]}
+        with open(self.ctx.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def finish_epoch_loss(self) -> float:
+        """Average training loss of the epoch over all data-parallel ranks (one host sync)."""
+        total = all_reduce_sum(self.epoch_loss.clone(), self.ctx.dp_group).item()
+        mean = total / max(1, self.epoch_steps * self.ctx.dp_size)
+        if not math.isfinite(mean):
+            raise TrainingError(f"training loss is {mean} at step {self.step}; lower the learning "
+                                f"rate or check the data")
+        self.epoch_loss.zero_()
+        self.epoch_steps = 0
+        return mean
+
+    # ----------------------------------------------------------------------- fit ---
+    def fit(self) -> dict[str, Any]:
+        """Train until ``num_iters`` steps; resume first if the run directory has a checkpoint."""
+        if self.checkpoint_path.is_file():
+            self.load_checkpoint(self.checkpoint_path)
+        self.open_writer()
+        spe = self.train_data.batches_per_epoch
+        log.info("%d parameters; %d steps per epoch of %d samples; local batch %d on %d ranks",
+                 self.n_params, spe, spe * self.local_batch * self.ctx.dp_size, self.local_batch,
+                 self.ctx.dp_size)
+        val: dict[str, Any] = {}
+        while self.step < self.cfg.num_iters:
+            epoch, start_batch = divmod(self.step, spe)
+            dev.synchronize(self.device)
+            start = time.time()
+            steps = self.train_epoch(epoch, start_batch)
+            dev.synchronize(self.device)
+            seconds = time.time() - start
+            train_loss = self.finish_epoch_loss()
+            val_start = time.time()
+            val = self.validate()
+            self.log_epoch(epoch, seconds, steps, train_loss, val, time.time() - val_start)
+        if val or not self.checkpoint_path.is_file():
+            self.save_checkpoint()
+        if self.writer is not None:
+            self.writer.close()
+        return val
