@@ -1,0 +1,63 @@
+"""Shared fixtures: a small synthetic ERA5 data set and configs that train on it fast."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts.make_synthetic_era5 import generate  # noqa: E402
+from utils.config import DEFAULT_YAML, Config, load_config, with_overrides  # noqa: E402
+from utils.device import cuda_available  # noqa: E402
+
+TEST_IMG = (16, 32)
+TEST_SAMPLES_PER_YEAR = 40
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """Two training years, one validation and one test year of 40 steps on a 16 x 32 grid."""
+    out = tmp_path_factory.mktemp("era5")
+    years = {"train": [2016, 2017], "valid": [2018], "test": [2019]}
+    generate(out, TEST_IMG, TEST_SAMPLES_PER_YEAR, years, seed=1, quiet=True)
+    return out
+
+
+def make_cfg(data_dir: Path, expdir: Path, **overrides) -> Config:
+    """The `tiny` config shrunk to the test grid: 2 blocks of width 32, batch 4."""
+    base = load_config(DEFAULT_YAML, "tiny")
+    values = dict(img_size=TEST_IMG, patch_size=4, embed_dim=32, depth=2, num_heads=4,
+                  global_batch_size=4, num_iters=6, warmup=0, checkpoint_every=0,
+                  limit_nsamples_val=None, data_dir=str(data_dir), expdir=str(expdir))
+    values.update(overrides)
+    return with_overrides(base, **values)
+
+
+@pytest.fixture
+def cfg_factory(data_dir, tmp_path):
+    def factory(**overrides) -> Config:
+        return make_cfg(data_dir, tmp_path / "logs", **overrides)
+
+    return factory
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for running the project's scripts in a child process."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, **extra)
+    return env
