@@ -37,7 +37,7 @@ def data_dir(tmp_path_factory) -> Path:
     return out
 
 
-def make_cfg(data_dir: Path, expdir: Path, **overrides) -> Config:
+def make_cfg(data_dir: Path, expdir: Path, /, **overrides) -> Config:
     """The `tiny` config shrunk to the test grid: 2 blocks of width 32, batch 4."""
     base = load_config(DEFAULT_YAML, "tiny")
     values = dict(img_size=TEST_IMG, patch_size=4, embed_dim=32, depth=2, num_heads=4,

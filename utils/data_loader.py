@@ -226,5 +226,8 @@ def get_data_loader(cfg: Config, split: str, local_batch_size: int, train: bool,
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
         drop_last=train,
+        # its own generator: creating an iterator must not draw from the global RNG, or
+        # dropout masks after a mid-epoch resume would differ from an uninterrupted run
+        generator=torch.Generator().manual_seed(cfg.seed),
     )
     return loader, dataset, sampler

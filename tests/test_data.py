@@ -1,0 +1,190 @@
+"""Synthetic ERA5 generator and the dataset / sampler over it."""
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from scripts import make_synthetic_era5 as gen
+from tests.conftest import TEST_IMG, TEST_SAMPLES_PER_YEAR
+from utils.data_loader import DataError, ERA5Dataset, ShardedSampler, get_data_loader
+from utils.era5 import CHANNELS, channel_index, latitudes
+
+
+def fields(path):
+    with h5py.File(path, "r") as f:
+        return f["fields"][:]
+
+
+def test_generator_layout(data_dir):
+    for split, years in (("train", [2016, 2017]), ("valid", [2018]), ("test", [2019])):
+        assert sorted(p.name for p in (data_dir / split).glob("*.h5")) == [f"{y}.h5" for y in years]
+    with h5py.File(data_dir / "train" / "2016.h5", "r") as f:
+        d = f["fields"]
+        assert d.shape == (TEST_SAMPLES_PER_YEAR, 20, *TEST_IMG) and d.dtype == np.float32
+        assert d.chunks == (1, 20, *TEST_IMG)  # one sample per chunk
+        assert list(d.attrs["channels"]) == list(CHANNELS)
+    assert np.load(data_dir / "stats" / "global_means.npy").shape == (1, 20, 1, 1)
+    assert np.load(data_dir / "stats" / "global_stds.npy").shape == (1, 20, 1, 1)
+    assert np.load(data_dir / "stats" / "time_means.npy").shape == (1, 20, *TEST_IMG)
+
+
+def test_stats_are_those_of_the_training_years(data_dir):
+    train = np.concatenate([fields(p) for p in sorted((data_dir / "train").glob("*.h5"))]).astype(np.float64)
+    means = np.load(data_dir / "stats" / "global_means.npy").ravel()
+    stds = np.load(data_dir / "stats" / "global_stds.npy").ravel()
+    np.testing.assert_allclose(means, train.mean(axis=(0, 2, 3)), rtol=1e-5)
+    np.testing.assert_allclose(stds, train.std(axis=(0, 2, 3)), rtol=1e-3)
+    np.testing.assert_allclose(np.load(data_dir / "stats" / "time_means.npy")[0], train.mean(axis=0),
+                               rtol=1e-5)
+
+
+def test_deterministic_and_independent_of_block_size(tmp_path, monkeypatch):
+    years = {"train": [2000, 2001], "valid": [2002], "test": [2003]}
+    gen.generate(tmp_path / "a", (8, 16), 12, years, seed=3, quiet=True)
+    monkeypatch.setattr(gen, "BLOCK_BYTES", 5 * 20 * 8 * 16 * 4)  # 5 samples per block
+    gen.generate(tmp_path / "b", (8, 16), 12, years, seed=3, quiet=True)
+    gen.generate(tmp_path / "c", (8, 16), 12, years, seed=4, quiet=True)
+    a, b, c = (fields(tmp_path / x / "train" / "2001.h5") for x in "abc")
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c)
+
+
+def test_continuous_across_year_files(data_dir):
+    """The first step of 2017 is the step after the last of 2016: the same function of time."""
+    waves = gen.make_waves(1, *TEST_IMG)
+    last_2016 = fields(data_dir / "train" / "2016.h5")[-1]
+    first_2017 = fields(data_dir / "train" / "2017.h5")[0]
+    expected = gen.fields_at(waves, np.array([TEST_SAMPLES_PER_YEAR - 1, TEST_SAMPLES_PER_YEAR]),
+                             *TEST_IMG, seed=1)
+    np.testing.assert_array_equal(expected[0], last_2016)
+    np.testing.assert_array_equal(expected[1], first_2017)
+
+
+def test_plausible_atmosphere(tmp_path):
+    h, w = 32, 64
+    waves = gen.make_waves(0, h, w)
+    x = gen.fields_at(waves, np.arange(8), h, w, seed=0).astype(np.float64)
+    mean = {c: x[:, channel_index(c)].mean() for c in CHANNELS}
+    assert 255 < mean["t2m"] < 295 and 50_000 < mean["z500"] < 60_000
+    assert 90_000 < mean["sp"] < 101_000 and 100_000 < mean["msl"] < 102_500
+    assert x[:, channel_index("r850")].min() >= 0 and x[:, channel_index("r850")].max() <= 100
+    # winds follow geopotential: v500 ~ d(z500)/dx, so they are strongly correlated
+    z = x[:, channel_index("z500")]
+    dz_dx = np.roll(z, -1, axis=-1) - np.roll(z, 1, axis=-1)
+    v = x[:, channel_index("v500")]
+    assert np.corrcoef(dz_dx.ravel(), v.ravel())[0, 1] > 0.9
+    # diurnal cycle: the warm anomaly of t2m moves 90 degrees of longitude west per step
+    t2m = x[:, channel_index("t2m")]
+    tropics = t2m[:, np.abs(latitudes(h)) < 20].mean(axis=1)  # (T, W)
+    anomaly = tropics - tropics.mean(axis=0)
+    lon = np.radians(np.arange(w) * 360 / w)
+    warm_lon = np.degrees(np.angle((anomaly * np.exp(1j * lon)).sum(axis=-1)))  # first harmonic
+    shift = (warm_lon[1:] - warm_lon[:-1]) % 360
+    assert np.all(np.abs(shift - 270) <= 30)  # 90 degrees west == 270 east
+
+
+def test_waves_drift_eastward():
+    h, w = 32, 64
+    waves = gen.make_waves(0, h, w)
+    psi = gen.stream_function(waves, np.array([0, 1]), latitudes(h), np.arange(w) * 360 / w)
+    # best longitude shift of step 1 onto step 0, in grid columns (east positive)
+    errors = [np.square(np.roll(psi[0], s, axis=-1) - psi[1]).sum() for s in range(-8, 9)]
+    assert 0 < int(np.argmin(errors)) - 8 <= 4
+
+
+def test_dataset_indexing_never_crosses_years(cfg_factory, data_dir):
+    for dt in (1, 3):
+        ds = ERA5Dataset(cfg_factory(dt=dt), "train")
+        per_year = TEST_SAMPLES_PER_YEAR - dt
+        assert len(ds) == 2 * per_year
+        assert ds.locate(0) == (0, 0)
+        assert ds.locate(per_year - 1) == (0, per_year - 1)
+        assert ds.locate(per_year) == (1, 0)  # first sample of the second year
+        inp, tar = ds.read_raw(per_year - 1)
+        year = fields(data_dir / "train" / "2016.h5")
+        np.testing.assert_array_equal(inp, year[per_year - 1])
+        np.testing.assert_array_equal(tar, year[per_year - 1 + dt])
+    with pytest.raises(IndexError):
+        ds.locate(len(ds))
+
+
+def test_sample_is_normalised(cfg_factory, data_dir):
+    ds = ERA5Dataset(cfg_factory(), "valid")
+    inp, tar = ds[5]
+    raw = fields(data_dir / "valid" / "2018.h5")
+    means = np.load(data_dir / "stats" / "global_means.npy")[0]
+    stds = np.load(data_dir / "stats" / "global_stds.npy")[0]
+    torch.testing.assert_close(inp, torch.from_numpy((raw[5] - means) / stds))
+    torch.testing.assert_close(tar, torch.from_numpy((raw[6] - means) / stds))
+
+
+def test_limits_and_out_channels(cfg_factory):
+    cfg = cfg_factory(limit_nsamples=10, limit_nsamples_val=7, n_out_channels=3)
+    assert len(ERA5Dataset(cfg, "train", cfg.limit_nsamples)) == 10
+    loader, ds, _ = get_data_loader(cfg, "valid", 4, train=False)
+    assert len(ds) == 7
+    sizes = [inp.shape[0] for inp, _ in loader]
+    assert sizes == [4, 3]  # validation keeps the last partial batch
+    _, tar = ds[0]
+    assert tar.shape == (3, *TEST_IMG)
+
+
+def test_train_loader_shuffles_per_epoch_and_drops_last(cfg_factory):
+    loader, ds, sampler = get_data_loader(cfg_factory(limit_nsamples=10), "train", 4, train=True)
+    sampler.set_epoch(0)
+    first = list(sampler)
+    sampler.set_epoch(1)
+    second = list(sampler)
+    assert len(first) == 8 and len(second) == 8 and first != second
+    assert [inp.shape[0] for inp, _ in loader] == [4, 4]
+
+
+def test_sampler_shards_are_disjoint_and_resumable():
+    shards = [ShardedSampler(23, 3, r, shuffle=True, seed=5, drop_last=True, batch_size=2) for r in range(3)]
+    for s in shards:
+        s.set_epoch(4)
+    orders = [list(s) for s in shards]
+    flat = sum(orders, [])
+    assert len(flat) == len(set(flat)) == 18  # 23 cut to 3 ranks x 2 x 3 batches
+    shards[1].set_epoch(4, start_batch=2)
+    assert list(shards[1]) == orders[1][4:]
+    val = [list(ShardedSampler(23, 3, r)) for r in range(3)]
+    assert sorted(sum(val, [])) == list(range(23))  # validation: every sample exactly once
+
+
+def _write(path, shape):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("fields", data=np.zeros(shape, np.float32))
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda d: None, r"does not exist; generate synthetic data with `make data`"),
+    (lambda d: (d / "train").mkdir(parents=True), r"no \.h5 files in .*train"),
+    (lambda d: _write(d / "train" / "2016.h5", (5, 19, 16, 32)), r"has 19 channels but n_in_channels is 20"),
+    (lambda d: _write(d / "train" / "2016.h5", (5, 20, 8, 32)), r"8 x 32 fields, smaller than img_size"),
+    (lambda d: _write(d / "train" / "2016.h5", (1, 20, 16, 32)), r"has 1 time steps, too few for dt=1"),
+])
+def test_data_errors(tmp_path, cfg_factory, setup, message):
+    root = tmp_path / "bad"
+    setup(root)
+    with pytest.raises(DataError, match=message):
+        ERA5Dataset(cfg_factory(data_dir=str(root)), "train")
+
+
+def test_missing_fields_dataset_and_stats(tmp_path, cfg_factory):
+    root = tmp_path / "bad"
+    (root / "train").mkdir(parents=True)
+    with h5py.File(root / "train" / "2016.h5", "w") as f:
+        f.create_dataset("data", data=np.zeros(3))
+    with pytest.raises(DataError, match="has no dataset 'fields'"):
+        ERA5Dataset(cfg_factory(data_dir=str(root)), "train")
+    _write(root / "train" / "2016.h5", (5, 20, 16, 32))
+    with pytest.raises(DataError, match="missing statistics file .*global_means.npy"):
+        ERA5Dataset(cfg_factory(data_dir=str(root)), "train")
+
+
+def test_too_few_samples_for_one_batch(cfg_factory):
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        get_data_loader(cfg_factory(limit_nsamples=3), "train", 4, train=True)

@@ -1,0 +1,156 @@
+"""train.py end to end, exact resume, atomic checkpoints, one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from ruamel.yaml import YAML
+
+from tests.conftest import REPO, subprocess_env
+from utils import checkpoint as ckpt
+from utils.trainer import RunContext, Trainer, local_batch_size, make_lr_lambda
+
+
+def run_train(*args, timeout=240):
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True,
+                          text=True, env=subprocess_env(), timeout=timeout, cwd=REPO)
+
+
+def write_test_yaml(path, cfg, name="e2e"):
+    with open(path, "w") as f:
+        YAML().dump({name: cfg.to_dict()}, f)
+    return path
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def scalar_tags(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    return {tag: len(acc.Scalars(tag)) for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.slow
+def test_train_py_beats_persistence(cfg_factory, tmp_path):
+    """A short real run of train.py: the 6-hour forecast must beat persistence."""
+    cfg = cfg_factory(embed_dim=64, global_batch_size=8, lr=2e-3, num_iters=150, checkpoint_every=100)
+    yaml_path = write_test_yaml(tmp_path / "test.yaml", cfg)
+    result = run_train("--yaml_config", str(yaml_path), "--config", "e2e", "--run_num", "r1")
+    assert result.returncode == 0, result.stderr + result.stdout
+    run_dir = cfg.exp_path / "e2e" / "1GPU" / "r1"
+    for name in ("out.log", "config.yaml", "checkpoint.pt", "metrics.jsonl"):
+        assert (run_dir / name).is_file(), name
+    log = (run_dir / "out.log").read_text()
+    assert "Time taken for epoch 1 is" in log and "samples/sec" in log
+    assert "  Avg train loss=" in log and "  Avg val loss=" in log and "  Total validation time:" in log
+    assert "tensorboard --logdir" in result.stdout
+    final = read_metrics(run_dir)[-1]
+    assert final["step"] == 150
+    for ch in ("u10m", "t2m", "z500"):
+        assert final["rmse"][ch] < 0.9 * final["persistence"][ch], (ch, final)
+    assert sum(final["rmse"].values()) < 0.6 * sum(final["persistence"].values())
+    tags = scalar_tags(run_dir)
+    epochs = len(read_metrics(run_dir))
+    for tag in ("Loss/train", "Loss/valid", "RMSE(u10m)/valid", "RMSE(t2m)/valid", "RMSE(u10m)/persistence",
+                "RMSE(t2m)/persistence", "Learning Rate", "Avg iters per sec", "Avg samples per sec"):
+        assert tags.get(tag) == epochs, tag
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"] == 150
+
+
+def make_trainer(cfg, run_dir):
+    return Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=run_dir), cfg.global_batch_size)
+
+
+class KilledError(Exception):
+    pass
+
+
+def test_resume_gives_the_same_losses(cfg_factory, tmp_path):
+    """Stop after 6 steps (mid-epoch, just after a checkpoint), resume, compare every logged loss."""
+    cfg = cfg_factory(limit_nsamples=16, num_iters=10, checkpoint_every=3, dropout=0.1)
+    make_trainer(cfg, tmp_path / "straight").fit()
+
+    interrupted = make_trainer(cfg, tmp_path / "resumed")
+    original_step = interrupted.train_step
+
+    def step_then_die(inp, tar):
+        if interrupted.step == 6:  # the checkpoint of step 6 has just been written
+            raise KilledError
+        return original_step(inp, tar)
+
+    interrupted.train_step = step_then_die
+    with pytest.raises(KilledError):
+        interrupted.fit()
+    assert len(read_metrics(tmp_path / "resumed")) == 1  # one epoch of 4 steps was logged
+    make_trainer(cfg, tmp_path / "resumed").fit()
+
+    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [r["step"] for r in straight] == [4, 8, 10]
+    for a, b in zip(straight, resumed):
+        assert a["train_loss"] == b["train_loss"] and a["val_loss"] == b["val_loss"]
+    ends = [torch.load(tmp_path / d / "checkpoint.pt", weights_only=False) for d in ("straight", "resumed")]
+    for name, tensor in ends[0]["model"].items():
+        torch.testing.assert_close(tensor, ends[1]["model"][name], rtol=0, atol=0)
+
+
+def test_exactly_num_iters_when_less_than_an_epoch(cfg_factory, tmp_path):
+    cfg = cfg_factory(num_iters=3)  # 80 samples / batch 4 = 20 steps per epoch
+    trainer = make_trainer(cfg, tmp_path / "run")
+    trainer.fit()
+    assert trainer.step == 3
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [3]
+
+
+def test_checkpoint_written_atomically(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    ckpt.save_atomic({"step": 1}, path)
+
+    def dies_mid_write(obj, f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt  # the process is killed while writing
+
+    monkeypatch.setattr(torch, "save", dies_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_atomic({"step": 2}, path)
+    assert ckpt.load(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary left behind
+
+
+def test_unreadable_checkpoint_says_what_to_do(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="cannot be read .*delete it to start over"):
+        ckpt.load(path)
+
+
+def test_lr_schedule_warmup_then_cosine(cfg_factory):
+    f = make_lr_lambda(cfg_factory(num_iters=110, warmup=10))
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.5) and f(110) == pytest.approx(0.0)
+
+
+def test_local_batch_size():
+    assert local_batch_size(16, 4) == 4
+    assert local_batch_size(16, 3, override=5) == 5
+    with pytest.raises(ValueError, match="not divisible by the 3 data-parallel ranks"):
+        local_batch_size(16, 3)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "tinny"], "error: unknown config 'tinny' in .*available: .*tiny"),
+    (["--config", "tiny", "--data_dir", "/nonexistent/era5"],
+     "error: data directory /nonexistent/era5 does not exist; generate synthetic data with `make data`"),
+    (["--config", "tiny", "--num_iters", "0"], "error: config key 'num_iters' must be at least 1"),
+])
+def test_cli_errors_are_one_line(args, message, tmp_path):
+    result = run_train(*args, "--expdir", str(tmp_path), timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert __import__("re").match(message, lines[0]), lines[0]
