@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 DATA   := data/synthetic
 CONFIG ?= tiny
 
-.PHONY: venv data train test lint clean-logs
+.PHONY: venv data train test lint clean-logs exercise
 
 venv: $(STAMP)
 
@@ -33,3 +33,8 @@ test: venv lint
 
 clean-logs:
 	rm -rf logs
+
+# check your solution of an exercise: make exercise NAME=sample_index (see exercises/README.md)
+exercise: venv
+	@test -n "$(NAME)" || { echo "usage: make exercise NAME=<name from exercises/README.md>"; exit 2; }
+	EXERCISE_VARIANT=exercise $(BIN)/python -m pytest tests/test_exercises.py -k "$(NAME)" -p no:cacheprovider
