@@ -69,6 +69,11 @@ class Config:
     expdir: str = "/logs"
     seed: int = 0
     checkpoint_every: int = 0
+    # profiling window (utils/profiling.py): steps profile_start_step.. of epoch profile_epoch
+    profile_epoch: int | None = None  # None: no window
+    profile_start_step: int = 0
+    profile_num_steps: int | None = None  # None: to the end of the epoch
+    profile: bool = False  # also write a torch.profiler trace of the window
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -155,6 +160,7 @@ def _check_values(cfg: Config) -> None:
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ValueError(f"config key '{name}' must be None or at least 1, got {value}")
+    _check_profiling(cfg)
     if not 0.0 <= cfg.dropout < 1.0:
         raise ValueError(f"config key 'dropout' must be in [0, 1), got {cfg.dropout}")
     if cfg.lr <= 0:
@@ -174,8 +180,19 @@ def _check_values(cfg: Config) -> None:
         raise ValueError(
             f"n_out_channels {cfg.n_out_channels} exceeds n_in_channels {cfg.n_in_channels}"
         )
-    if cfg.warmup >= cfg.num_iters and cfg.warmup > 0:
-        raise ValueError(f"warmup ({cfg.warmup}) must be shorter than num_iters ({cfg.num_iters})")
+
+
+def _check_profiling(cfg: Config) -> None:
+    for name in ("profile_epoch", "profile_start_step"):
+        value = getattr(cfg, name)
+        if value is not None and value < 0:
+            raise ValueError(f"config key '{name}' must be 0 or more, got {value}")
+    if cfg.profile_num_steps is not None and cfg.profile_num_steps < 1:
+        raise ValueError(f"config key 'profile_num_steps' must be None or at least 1, "
+                         f"got {cfg.profile_num_steps}")
+    if cfg.profile and cfg.profile_epoch is None:
+        raise ValueError("--profile needs a profiling window: add --profile_epoch E "
+                         "(and optionally --profile_start_step, --profile_num_steps)")
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
