@@ -143,8 +143,8 @@ def fields_at(w: Waves, steps: np.ndarray, n_lat: int, n_lon: int, seed: int) ->
     out["z50"] = 195000.0 + 8000.0 * shifted + 400.0 * psi
     out["sp"] = out["msl"] * np.exp(-terrain / 8400.0)
     t_background = 230.0 + 70.0 * shifted
-    warm_advection = 0.4 * out["v850"]  # poleward flow is warm (sign flips south)
-    warm_advection *= np.sign(lat_g + 1e-9)
+    # poleward flow brings warm air: v times the poleward temperature drop, ~sin(latitude)
+    warm_advection = 0.6 * out["v850"] * np.sin(np.radians(lat_g))
     diurnal = 6.0 * (np.maximum(cosz, 0.0) - 0.3)
     out["t2m"] = t_background - 0.0065 * terrain + warm_advection + diurnal
     out["t850"] = t_background - 12.0 + warm_advection + 0.2 * diurnal

@@ -154,3 +154,18 @@ def test_cli_errors_are_one_line(args, message, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert __import__("re").match(message, lines[0]), lines[0]
+
+
+def test_plot_prediction_script(cfg_factory, tmp_path):
+    from scripts.plot_prediction import main as plot_main
+    from utils.launch import write_resolved_config
+
+    cfg = cfg_factory(num_iters=2)
+    run_dir = tmp_path / "run"
+    make_trainer(cfg, run_dir).fit()
+    write_resolved_config(cfg, run_dir, "tiny")
+    out = tmp_path / "pred.png"
+    plot_main(["--run_dir", str(run_dir), "--out", str(out), "--channel", "u10m", "--sample", "3"])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):  # a folder without a finished run: an argparse error
+        plot_main(["--run_dir", str(tmp_path), "--out", str(out)])
