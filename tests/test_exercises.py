@@ -14,7 +14,7 @@ from utils.data_loader import ERA5Dataset
 from utils.trainer import RunContext, Trainer
 
 VARIANT = os.environ.get("EXERCISE_VARIANT", "solution")
-NAMES = ("sample_index", "amp_step", "allreduce_grads")
+NAMES = ("sample_index", "amp_step", "allreduce_grads", "tp_mlp")
 
 
 def exercise(name: str, variant: str = VARIANT):
@@ -26,7 +26,8 @@ def exercise(name: str, variant: str = VARIANT):
 def test_shipped_exercises_are_unsolved(name):
     """The exercise files really have their key lines removed: the checks below fail on them."""
     module = exercise(name, "exercise")
-    fn = next(getattr(module, f) for f in ("locate", "amp_step", "average_gradients") if hasattr(module, f))
+    functions = ("locate", "amp_step", "average_gradients", "tp_mlp_forward")
+    fn = next(getattr(module, f) for f in functions if hasattr(module, f))
     with pytest.raises(NotImplementedError, match="exercise"):
         fn(*([None] * fn.__code__.co_argcount))
 
@@ -97,3 +98,38 @@ def _ddp_versus_manual(variant: str) -> None:
 @pytest.mark.timeout(120)
 def test_allreduce_grads():
     run_ranks(2, _ddp_versus_manual, VARIANT)
+
+
+def _tp_mlp_versus_serial(variant: str) -> None:
+    import torch.distributed as dist
+
+    from networks.vit import MLP
+
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    serial = MLP(8, 32)
+    for p in serial.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(2, 5, 8)
+    x_serial, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    shard = slice(rank * 32 // tp, (rank + 1) * 32 // tp)
+    w1 = serial.fc1.weight[shard].detach().clone().requires_grad_()
+    b1 = serial.fc1.bias[shard].detach().clone().requires_grad_()
+    w2 = serial.fc2.weight[:, shard].detach().clone().requires_grad_()
+    b2 = serial.fc2.bias.detach().clone().requires_grad_()
+    forward = exercise("tp_mlp", variant).tp_mlp_forward
+    out = forward(x_tp, w1, b1, w2, b2, dist.group.WORLD)
+    expected = serial(x_serial)
+    # fp32, the same products summed in a different order: agreement to ~1e-6
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(x_tp.grad, x_serial.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w1.grad, serial.fc1.weight.grad[shard], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w2.grad, serial.fc2.weight.grad[:, shard], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b2.grad, serial.fc2.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_tp_mlp():
+    run_ranks(2, _tp_mlp_versus_serial, VARIANT)
