@@ -16,7 +16,7 @@ $(STAMP): requirements.txt
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	@touch $(STAMP)
 
-# the demo data set (about 120 MB): 730 six-hourly samples per split on a 32 x 64 grid
+# the demo data set (about 360 MB: three 120 MB year files): 730 six-hourly samples per split on a 32 x 64 grid
 data: $(DATA)/stats/global_stds.npy
 
 $(DATA)/stats/global_stds.npy: | $(STAMP)

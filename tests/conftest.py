@@ -57,7 +57,7 @@ def cfg_factory(data_dir, tmp_path):
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for running the project's scripts in a child process."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("SLURM_")}
     env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, **extra)
     return env

@@ -178,7 +178,31 @@ def check_local_python(cmd: Command, runner: Runner) -> None:
         raise AssertionError(f"no rule to run {script}: add one to SCRIPT_OVERRIDES in {__file__}")
 
 
-SCRIPT_OVERRIDES = {}
+def trained_tiny_run(runner: Runner) -> Path:
+    runner.run([sys.executable, "train.py", "--config", "tiny", "--run_num", "for_plots",
+                *runner.train_overrides("tiny")], {})
+    return runner.tmp / "logs" / "tiny" / "1GPU" / "for_plots"
+
+
+SCRIPT_OVERRIDES = {
+    "plot_training.py": lambda runner: ["--out", str(runner.tmp / "training.png")],  # reads example_logs
+    "plot_prediction.py": lambda runner: [
+        "--run_dir", str(trained_tiny_run(runner)), "--out", str(runner.tmp / "prediction.png")],
+    "mp_memory.py": lambda runner: [],  # no data, no output files: runs as written
+    "benchmark.py": lambda runner: [  # one rung, one step (the full ladder: test_ladder.py)
+        "--data_dir", str(runner.data_for("small")), "--rungs", "baseline", "--steps", "1",
+        "--warmup", "0", "--profile_steps", "1", "--loader_batches", "1", "--matmul_size", "64",
+        "--no_bare", "--out_dir", str(runner.tmp / "benchmark")],
+}
+
+
+def check_srun(cmd: Command, runner: Runner) -> None:
+    """`srun python X.py ...` on a GPU node (CUDA Graphs): the script exists and its flags parse."""
+    _, words = cmd.env_and_words
+    index = next(i for i, w in enumerate(words) if w.endswith(".py"))
+    script = Path(words[index]).name
+    assert script in TRAIN_SCRIPTS and (REPO / words[index]).is_file(), cmd.text
+    check_train_flags(script, words[index + 1:])
 
 
 def check_sbatch(cmd: Command, runner: Runner) -> None:
@@ -222,10 +246,25 @@ def check_tensorboard(cmd: Command, runner: Runner) -> None:
     assert words[1].startswith("--logdir"), cmd.text
 
 
+def check_pytest(cmd: Command, runner: Runner) -> None:
+    """Running the suite from inside itself would recurse: the files and markers must exist."""
+    _, words = cmd.env_and_words
+    args = words[words.index("pytest") + 1:]
+    markers = (REPO / "pyproject.toml").read_text()
+    for i, arg in enumerate(args):
+        if arg.startswith("tests/"):
+            assert (REPO / arg.split("::")[0]).is_file(), arg
+        if arg == "-m":
+            for word in re.findall(r"[a-z_]+", args[i + 1]):
+                assert word in ("not", "and", "or") or f'"{word}:' in markers, f"unknown marker {word}"
+
+
 RULES = [
+    (r"^(\.venv/bin/)?python3? -m pytest\b", check_pytest),
     (r"^(python3?|\.venv/bin/python|torchrun|OMP_NUM_THREADS=\S+ torchrun)\b", check_local_python),
     (r"^([A-Z_]+=\S+ )*sbatch\b", check_sbatch),
     (r"^make\b", check_make),
+    (r"^srun\b", check_srun),
     (r"^\.venv/bin/tensorboard\b|^tensorboard\b", check_tensorboard),
 ]
 
@@ -247,6 +286,23 @@ def test_readme_has_commands():
 def test_every_command_is_classified():
     unclassified = [f"README line {c.line}: {c.text}" for c in COMMANDS if classify(c) is None]
     assert not unclassified, "add a rule for:\n" + "\n".join(unclassified)
+
+
+COMMAND_WORDS = ("python", "python3", "torchrun", "sbatch", "srun", "make", "pip", "tensorboard", "nsys",
+                 ".venv/", "bash", "export", "cd ")
+
+
+def test_shell_commands_are_only_in_bash_blocks():
+    """A command in a block not marked ```bash would escape the checks: mark the block."""
+    block, offenders = None, []  # block: the open code block's language, None outside blocks
+    for number, line in enumerate(README.read_text().splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            block = stripped[3:] if block is None else None
+            continue
+        if block is not None and block not in ("bash", "sh", "shell") and stripped.startswith(COMMAND_WORDS):
+            offenders.append(f"line {number}: {stripped}")
+    assert not offenders, "commands outside ```bash blocks:\n" + "\n".join(offenders)
 
 
 def test_parser_joins_continuations_and_drops_comments():

@@ -169,3 +169,31 @@ def test_plot_prediction_script(cfg_factory, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):  # a folder without a finished run: an argparse error
         plot_main(["--run_dir", str(tmp_path), "--out", str(out)])
+
+
+EXAMPLE_RUN = REPO / "example_logs" / "tiny" / "1GPU" / "demo"
+
+
+def test_example_logs_are_a_finished_demo_run():
+    """The committed baseline for the comparison lesson: every epoch in TensorBoard, better than
+    persistence, and no checkpoint (it would be 10 MB)."""
+    epochs = read_metrics(EXAMPLE_RUN)
+    assert epochs[-1]["step"] == 320 and len(epochs) == 8
+    tags = scalar_tags(EXAMPLE_RUN)
+    assert tags["Loss/train"] == tags["Loss/valid"] == len(epochs)
+    for ch in ("u10m", "t2m", "z500"):
+        assert epochs[-1]["rmse"][ch] < epochs[-1]["persistence"][ch], ch
+    assert not (EXAMPLE_RUN / "checkpoint.pt").exists()
+
+
+def test_plot_training_script(tmp_path, capsys):
+    from scripts.plot_training import main as plot_main
+
+    out = tmp_path / "curves.png"
+    plot_main(["--run_dir", str(EXAMPLE_RUN), "--out", str(out), "--channels", "t2m", "sp"])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "RMSE(t2m)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown channel"):
+        plot_main(["--run_dir", str(EXAMPLE_RUN), "--out", str(out), "--channels", "t3m"])
+    with pytest.raises(SystemExit, match="metrics.jsonl not found"):
+        plot_main(["--run_dir", str(tmp_path), "--out", str(out)])

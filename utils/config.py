@@ -147,6 +147,9 @@ def _check_values(cfg: Config) -> None:
     _check_choice("data_loader_config", cfg.data_loader_config, DATA_LOADERS)
     _check_choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES)
     _check_choice("optimizer_type", cfg.optimizer_type, OPTIMIZERS)
+    if sorted(cfg.parallel_order.split("-")) != ["cp", "dp", "tp"]:
+        raise ValueError(f"config key 'parallel_order' is {cfg.parallel_order!r}; name tp, cp and dp "
+                         f"once each, fastest-varying first, for example 'tp-cp-dp'")
     positive = ("patch_size", "embed_dim", "depth", "num_heads", "n_in_channels",
                 "n_out_channels", "dt", "num_iters", "global_batch_size",
                 "tensor_parallel", "context_parallel")

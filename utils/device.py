@@ -50,12 +50,14 @@ def configure_matmul(device: torch.device, allow_tf32: bool = True) -> None:
         torch.backends.cudnn.allow_tf32 = allow_tf32
 
 
-def autocast(device: torch.device, amp_mode: str) -> contextlib.AbstractContextManager:
-    """Mixed-precision region for the forward pass; a no-op for amp_mode 'none'."""
+def autocast(device: torch.device, amp_mode: str,
+             cache_enabled: bool = True) -> contextlib.AbstractContextManager:
+    """Mixed-precision region for the forward pass; a no-op for amp_mode 'none'.
+    ``cache_enabled=False`` for CUDA graph capture (cached casts would outlive the graph)."""
     dtype = AMP_DTYPES[amp_mode]
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=cache_enabled)
 
 
 def make_grad_scaler(device: torch.device, amp_mode: str) -> torch.amp.GradScaler | None:
@@ -132,3 +134,24 @@ def require_cuda(feature: str) -> None:
     if not cuda_available():
         raise SystemExit(f"{feature} need a GPU with CUDA; this machine has none. "
                          f"Run train.py instead.")
+
+
+@contextlib.contextmanager
+def side_stream(device: torch.device) -> Iterator[None]:
+    """Run the block on a fresh CUDA stream that starts after, and is joined back into, the
+    current one (CUDA graph warm-up must not run on the default stream)."""
+    current = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield
+    current.wait_stream(stream)
+
+
+def new_cuda_graph() -> torch.cuda.CUDAGraph:
+    return torch.cuda.CUDAGraph()
+
+
+def graph_capture(graph: torch.cuda.CUDAGraph) -> contextlib.AbstractContextManager:
+    """Record the CUDA work of the block into ``graph`` instead of running it."""
+    return torch.cuda.graph(graph)

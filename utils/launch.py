@@ -12,13 +12,15 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
 
 from utils import device as dev
+from utils import preemption
 from utils.config import DEFAULT_YAML, Config, load_config, with_overrides
-from utils.distributed import DistEnv, init_distributed, parse_env, shutdown
+from utils.distributed import DistEnv, init_distributed, parse_env
 from utils.logging_utils import setup_logging
 from utils.trainer import RunContext, Trainer, TrainingError, local_batch_size
 
@@ -49,6 +51,13 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint_every", type=int, help="steps between checkpoints (0 = only at the end)")
     p.add_argument("--limit_nsamples", type=int)
     p.add_argument("--limit_nsamples_val", type=int)
+    prof = p.add_argument_group("profiling window (utils/profiling.py)")
+    prof.add_argument("--profile_epoch", type=int,
+                      help="epoch (0-based) whose steps rank 0 brackets with cudaProfilerStart/Stop")
+    prof.add_argument("--profile_start_step", type=int, help="first profiled step of that epoch (0-based)")
+    prof.add_argument("--profile_num_steps", type=int, help="steps in the window (default: to epoch end)")
+    prof.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
+                      help="write a torch.profiler trace of the window to RUN_DIR/profile (CPU or GPU)")
     ddp = p.add_argument_group("data parallel")
     ddp.add_argument("--bucket_cap_mb", type=float, default=25.0,
                      help="DDP gradient bucket size in MB (default 25)")
@@ -56,12 +65,17 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
                      help="do not broadcast module buffers from rank 0 every forward")
     ddp.add_argument("--noddp", action="store_true",
                      help="no gradient synchronisation: each rank trains alone (profiling compute only)")
+    stop = p.add_argument_group("preemption (see utils/preemption.py)")
+    stop.add_argument("--stop_check_every", type=int, default=10,
+                      help="steps between the ranks' checks for a stop signal (TERM, USR1, USR2); "
+                           "on one, training checkpoints and exits with status 75")
     return p
 
 
 CONFIG_FLAGS = ("num_iters", "global_batch_size", "lr", "num_data_workers", "data_loader_config",
                 "amp_mode", "enable_fused", "enable_jit", "expdir", "data_dir", "seed",
-                "checkpoint_every", "limit_nsamples", "limit_nsamples_val")
+                "checkpoint_every", "limit_nsamples", "limit_nsamples_val",
+                "profile_epoch", "profile_start_step", "profile_num_steps", "profile")
 
 
 def resolve_config(args: argparse.Namespace, extra_flags: tuple[str, ...] = ()) -> Config:
@@ -78,7 +92,7 @@ def ddp_options(args: argparse.Namespace) -> dict:
         raise ValueError(f"--bucket_cap_mb must be positive, got {args.bucket_cap_mb}")
     return {
         "bucket_cap_mb": args.bucket_cap_mb,
-        "broadcast_buffers": not args.disable_broadcast_buffers,
+        "forward_sync_buffers": not args.disable_broadcast_buffers,  # buffers always synced at init
         "gradient_as_bucket_view": True,
     }
 
@@ -87,7 +101,8 @@ def make_context(args: argparse.Namespace, cfg: Config, env: DistEnv, run_dir: P
     device = dev.pick_device(env.local_rank)
     return RunContext(device=device, run_dir=run_dir, rank=env.rank, world_size=env.world_size,
                       local_rank=env.local_rank, dp_size=env.world_size, dp_rank=env.rank,
-                      use_ddp=not args.noddp, ddp_options=ddp_options(args))
+                      use_ddp=not args.noddp, ddp_options=ddp_options(args),
+                      stop_check_every=args.stop_check_every)
 
 
 def write_resolved_config(cfg: Config, run_dir: Path, name: str) -> None:
@@ -99,19 +114,28 @@ def write_resolved_config(cfg: Config, run_dir: Path, name: str) -> None:
 
 
 def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description: str = "",
-         parser: argparse.ArgumentParser | None = None) -> int:
-    """Parse flags, set up ranks and logging, train; one-line errors for user mistakes."""
+         parser: argparse.ArgumentParser | None = None, extra_flags: tuple[str, ...] = (),
+         setup: Callable[[argparse.Namespace, Config, RunContext], RunContext] | None = None) -> int:
+    """Parse flags, set up ranks and logging, train; one-line errors for user mistakes.
+
+    ``extra_flags``: more flags that override config keys. ``setup``: called once the process
+    group exists, returns the context to train with (train_mp.py: its communicator groups,
+    data-parallel part and run directory).
+    """
     parser = parser or arg_parser(description)
     args = parser.parse_args(argv)
     env = parse_env()
     setup_logging(env.rank)
     try:
-        cfg = resolve_config(args)
+        cfg = resolve_config(args, extra_flags)
         run_dir = run_dir_for(cfg, args.config, args.run_num, env.world_size)
         dev.set_cpu_threads(env.local_world_size)
         ctx = make_context(args, cfg, env, run_dir)
-        local_batch = local_batch_size(cfg.global_batch_size, ctx.dp_size, args.local_batch_size)
         init_distributed(env, ctx.device)
+        if setup is not None:
+            ctx = setup(args, cfg, ctx)
+            run_dir = ctx.run_dir
+        local_batch = local_batch_size(cfg.global_batch_size, ctx.dp_size, args.local_batch_size)
         if ctx.is_main:
             write_resolved_config(cfg, run_dir, args.config)
         setup_logging(env.rank, run_dir / "out.log")
@@ -120,7 +144,8 @@ def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description:
         trainer = trainer_cls(cfg, ctx, local_batch)
     except ValueError as err:  # a user mistake: config, flags, data
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return abort(2)
+    preemption.install_handlers()
     try:
         trainer.fit()
     except TrainingError as err:
@@ -129,11 +154,23 @@ def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description:
     except Exception:
         log.error("rank %d failed:\n%s", env.rank, traceback.format_exc())
         return abort(1)
+    if trainer.stopped_early:  # every rank waits until rank 0 has written the checkpoint
+        if dist.is_initialized():
+            dist.barrier()
+        return leave(preemption.EXIT_STOPPED)
     if ctx.is_main:
         log.info("TensorBoard logs are in %s; view them with: tensorboard --logdir %s",
                  run_dir, cfg.exp_path)
-    shutdown()
-    return 0
+    return leave(0)
+
+
+def leave(code: int) -> int:
+    """End a run whose files are all written. A distributed run skips the interpreter's
+    clean-up: there, freeing DDP's gloo process group can deadlock (its worker thread
+    waits for the GIL to free a finished collective's tensors while the main thread,
+    holding the GIL, waits to join it; seen with torch 2.13 right after a barrier), and
+    so can destroy_process_group. The operating system closes the connections instead."""
+    return abort(code)
 
 
 def abort(code: int) -> int:

@@ -37,6 +37,8 @@ from utils.metrics import (
     relative_l2_per_sample,
     weighted_rmse_per_sample,
 )
+from utils.preemption import StopAgreement, received
+from utils.profiling import ProfilingWindow
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +62,10 @@ class RunContext:
     dp_size: int = 1
     dp_rank: int = 0
     dp_group: Any = None  # torch.distributed.ProcessGroup; None = the default group
+    comm: Any = None  # utils.comm.Comm: every parallel group (train_mp.py); None = data parallel only
     use_ddp: bool = True  # False for --noddp: every rank trains alone
     ddp_options: dict = field(default_factory=dict)
+    stop_check_every: int = 10  # steps between the ranks' stop-signal agreements
 
     @property
     def is_main(self) -> bool:
@@ -132,13 +136,22 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg))
         self.scaler = dev.make_grad_scaler(self.device, cfg.amp_mode)
         self.lat_weights = latitude_weights(cfg.img_size[0], self.device)
+        self.profiling = ProfilingWindow(cfg, self.device, ctx.run_dir, ctx.rank,
+                                         self.train_data.batches_per_epoch)
         self.step = 0  # optimizer steps done
         self.epoch_loss = torch.zeros((), device=self.device)  # running sum in this epoch
         self.epoch_steps = 0
         self.writer: SummaryWriter | None = None
+        self.stop_agreement = StopAgreement(self.device, ctx.stop_check_every)
+        self.stopped_early = False  # a stop signal ended training before num_iters
 
     # ------------------------------------------------------------------ building ---
     def build_data(self, split: str, train: bool) -> Batches:
+        if self.cfg.data_loader_config == "dali":
+            from utils.data_loader_dali import DALIBatches
+
+            return DALIBatches(self.cfg, split, self.local_batch, train, num_shards=self.ctx.dp_size,
+                               shard_id=self.ctx.dp_rank, device=self.device)
         loader, _, sampler = get_data_loader(
             self.cfg, split, self.local_batch, train, num_shards=self.ctx.dp_size,
             shard_id=self.ctx.dp_rank, pin_memory=self.device.type == "cuda")
@@ -159,12 +172,17 @@ class Trainer:
                                 fused=self.cfg.enable_fused or None)
 
     # --------------------------------------------------------------------- steps ---
+    autocast_cache = True  # CUDA graph capture needs it off
+
+    def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        with dev.autocast(self.device, self.cfg.amp_mode, cache_enabled=self.autocast_cache):
+            pred = self.forward(inp)
+        return self.loss_fn(pred.float(), tar)
+
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         """One optimizer step; returns the loss as a device tensor (no host sync)."""
         with dev.nvtx_range("forward"):
-            with dev.autocast(self.device, self.cfg.amp_mode):
-                pred = self.forward(inp)
-            loss = self.loss_fn(pred.float(), tar)
+            loss = self.forward_loss(inp, tar)
         with dev.nvtx_range("backward"):
             (self.scaler.scale(loss) if self.scaler else loss).backward()
         with dev.nvtx_range("optimizer"):
@@ -189,13 +207,17 @@ class Trainer:
         for inp, tar in self.train_data:
             if self.step >= self.cfg.num_iters:
                 break
-            with dev.nvtx_range(f"step {self.step}"):
+            with self.profiling.step(epoch, start_batch + done, self.step), \
+                    dev.nvtx_range(f"step {self.step}"):
                 with dev.nvtx_range(f"data copy in {self.step}"):
                     inp, tar = self.to_device(inp, tar)
                 self.epoch_loss += self.train_step(inp, tar)
             self.step += 1
             self.epoch_steps += 1
             done += 1
+            if self.stop_agreement.poll(self.step):
+                self.stopped_early = True
+                break
             if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0 \
                     and self.step < self.cfg.num_iters:
                 self.save_checkpoint()
@@ -252,11 +274,18 @@ class Trainer:
         model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
         model.load_state_dict(state)
 
+    def optimizer_state(self) -> dict[str, Any]:
+        """Optimizer state to save; tensor-parallel trainers consolidate their shards."""
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+
     def state_dict(self) -> dict[str, Any]:
         epoch_loss = all_reduce_sum(self.epoch_loss.clone(), self.ctx.dp_group)
         return {
             "model": self.model_state(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer_state(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "step": self.step,
@@ -276,7 +305,7 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         state = ckpt.load(path)
         self.load_model_state(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_optimizer_state(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
@@ -352,13 +381,18 @@ class Trainer:
             dev.synchronize(self.device)
             start = time.time()
             steps = self.train_epoch(epoch, start_batch)
+            if self.stopped_early:
+                log.warning("stop signal (%s): stopping at step %d of %d to checkpoint",
+                            received() or "received by another rank", self.step, self.cfg.num_iters)
+                break
             dev.synchronize(self.device)
             seconds = time.time() - start
             train_loss = self.finish_epoch_loss()
             val_start = time.time()
             val = self.validate()
             self.log_epoch(epoch, seconds, steps, train_loss, val, time.time() - val_start)
-        if val or not self.checkpoint_path.is_file():
+        self.stop_agreement.drain()
+        if val or self.stopped_early or not self.checkpoint_path.is_file():
             self.save_checkpoint()
         if self.writer is not None:
             self.writer.close()

@@ -1,0 +1,508 @@
+#!/usr/bin/env python
+"""Climb the single-device optimization ladder and measure every rung.
+
+    python scripts/benchmark.py --config small            # CPU lesson (generates its data)
+    python scripts/benchmark.py --config short --steps 50 # a GPU node
+
+Rungs, each adding to the one before: baseline (PyTorch DataLoader, no workers, fp32);
++workers; +DALI; +AMP (bf16); +fused Adam; +torch.compile; +CUDA graphs (CUDA only).
+Every rung trains with the project's Trainer (its train_epoch and train_step, nothing
+re-implemented) for ``--warmup`` + ``--steps`` steps and reports
+
+* samples/s over the ``--steps`` timed steps (after warm-up: compilation, first batches);
+* the step time split into data wait (timed around the loader) and forward, backward and
+  optimizer (the trainer's own profiler ranges, from ``--profile_steps`` extra steps run
+  under torch.profiler, so the profiler's overhead stays out of samples/s);
+* peak memory: the CUDA allocator's peak, or on CPU the process's peak resident set
+  (VmHWM, reset before each rung);
+* model FLOPs per sample (forward + backward, counted by torch.utils.flop_counter) and
+  MFU against the matmul peak of the rung's dtype, measured in this run on this device;
+* the data loader alone (no model) against a plain h5py read of the same samples.
+
+A bare PyTorch loop over the same model and one batch held in memory (no loader, no
+logging, no scheduler) is the reference. Results go to OUT_DIR/benchmark.json and
+OUT_DIR/benchmark.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import torch
+from torch.utils import flop_counter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from networks.vit import build_vit  # noqa: E402
+from utils import device as dev  # noqa: E402
+from utils.config import DEFAULT_YAML, Config, load_config, with_overrides  # noqa: E402
+from utils.metrics import relative_l2_loss  # noqa: E402
+from utils.trainer import RunContext, Trainer  # noqa: E402
+
+# name -> settings added on top of the rung before
+RUNGS: list[tuple[str, dict[str, Any]]] = [
+    ("baseline", {"data_loader_config": "pytorch", "num_data_workers": 0, "amp_mode": "none",
+                  "enable_fused": False, "enable_jit": False}),
+    ("+workers", {"num_data_workers": None}),  # None: --workers
+    ("+DALI", {"data_loader_config": "dali"}),
+    ("+AMP", {"amp_mode": None}),  # None: --amp
+    ("+fused", {"enable_fused": True}),
+    ("+compile", {"enable_jit": True}),
+    ("+graphs", {}),  # the CUDA graph trainer of train_graph.py
+]
+RUNG_NAMES = [name for name, _ in RUNGS]
+DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---------------------------------------------------------------- measuring ---
+class TimedBatches:
+    """Wraps a trainer's loader (the ``Batches`` protocol) and clocks every request.
+
+    Request ``timed_from`` starts the timed window (after a device sync); request
+    ``profile_from`` ends it and starts torch.profiler for the breakdown steps.
+    """
+
+    def __init__(self, inner, device: torch.device, timed_from: int, profile_from: int) -> None:
+        self.inner, self.device = inner, device
+        self.batches_per_epoch = inner.batches_per_epoch
+        self.timed_from, self.profile_from = timed_from, profile_from
+        self.count = 0
+        self.wait = 0.0  # seconds spent waiting for batches inside the timed window
+        self.t_start = self.t_end = None
+        self.profiler: torch.profiler.profile | None = None
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.inner.set_epoch(epoch, start_batch)
+
+    def __iter__(self):
+        it = iter(self.inner)
+        while True:
+            if self.count == self.timed_from:
+                dev.synchronize(self.device)
+                self.t_start = time.perf_counter()
+            if self.count == self.profile_from and self.t_end is None:
+                dev.synchronize(self.device)
+                self.t_end = time.perf_counter()
+                self.profiler = start_profiler(self.device)
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            if self.timed_from <= self.count < self.profile_from:
+                self.wait += time.perf_counter() - t0
+            self.count += 1
+            yield batch
+
+
+def start_profiler(device: torch.device) -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=activities)
+    prof.start()
+    return prof
+
+
+def phase_ms(prof: torch.profiler.profile, device: torch.device, steps: int) -> dict[str, float]:
+    """Mean ms per step of the trainer's forward/backward/optimizer ranges (GPU time on CUDA)."""
+    out = {}
+    for event in prof.key_averages():
+        if event.key in ("forward", "backward", "optimizer"):
+            us = event.device_time_total if device.type == "cuda" else event.cpu_time_total
+            out[event.key] = out.get(event.key, 0.0) + us / 1000.0 / steps
+    return out
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    gc.collect()
+    dev.reset_peak_memory(device)
+    if device.type == "cpu":
+        with contextlib.suppress(OSError):  # Linux: writing 5 resets the peak resident set (VmHWM)
+            Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_memory(device: torch.device) -> tuple[int | None, str]:
+    if device.type == "cuda":
+        return dev.peak_memory_bytes(device), "CUDA allocator peak"
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024, "process peak RSS"
+    except OSError:
+        pass
+    return None, "unavailable"
+
+
+def _cpu_sdpa_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_flop_count(query, key, value)
+
+
+def _cpu_sdpa_backward_flop(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# torch 2.13's FlopCounterMode knows the GPU attention kernels but not the CPU one: without
+# these, attention (about a third of this model's FLOPs) would count as zero on CPU.
+# torch's own GPU formulas are reused, so both devices count alike.
+CPU_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flop,
+}
+
+
+def flops_per_sample(cfg: Config, batch: int, device: torch.device) -> float:
+    """Forward + backward FLOPs of the model per sample (eager, fp32: FLOPs do not depend on dtype)."""
+    torch.manual_seed(0)
+    model = build_vit(cfg).to(device)
+    h, w = cfg.img_size
+    inp = torch.randn(batch, cfg.n_in_channels, h, w, device=device)
+    tar = torch.randn(batch, cfg.n_out_channels, h, w, device=device)
+    counter = flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
+    with counter:
+        relative_l2_loss(model(inp), tar).backward()
+    return counter.get_total_flops() / batch
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 5) -> float:
+    """Best FLOP/s of square matmuls (n/2, n, 2n) in ``dtype`` on this device."""
+    best = 0.0
+    for size in (n // 2, n, 2 * n):
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        torch.mm(a, b)  # warm-up: library initialisation, kernel choice
+        for _ in range(reps):
+            dev.synchronize(device)
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            dev.synchronize(device)
+            best = max(best, 2.0 * size**3 / (time.perf_counter() - t0))
+    return best
+
+
+def loader_alone(trainer: Trainer, batches: int) -> dict[str, Any]:
+    """Samples/s of the rung's training loader with no model, and of h5py reading the
+    same samples' raw bytes in a plain loop (after one warm-up pass of each)."""
+    data = trainer.build_data("train", train=True)
+    it = epochs(data)
+    next(it)  # warm-up: workers, pipeline start, page cache
+    t0 = time.perf_counter()
+    n = sum(next(it)[0].shape[0] for _ in range(batches))
+    loader_rate = n / (time.perf_counter() - t0)
+    it.close()
+    if hasattr(data, "close"):
+        data.close()
+    indices = _sample_indices(trainer.cfg, trainer.local_batch, n)
+    raw_rate, nbytes = raw_h5py_rate(trainer.cfg, indices)
+    return {"samples_per_sec": loader_rate, "raw_h5py_samples_per_sec": raw_rate,
+            "raw_h5py_MB_per_sec": raw_rate * nbytes / 1e6, "ratio_to_raw": loader_rate / raw_rate}
+
+
+def epochs(data):
+    """Batches of epoch 0, 1, ... without end (a small data set may hold few batches)."""
+    epoch = 0
+    while True:
+        data.set_epoch(epoch)
+        yield from data
+        epoch += 1
+
+
+def _sample_indices(cfg: Config, batch: int, n: int) -> list[int]:
+    """The samples the loader gave after its warm-up batch, in the same epochs."""
+    from utils.data_loader import get_data_loader
+
+    _, _, sampler = get_data_loader(cfg, "train", batch, True)
+    order: list[int] = []
+    epoch = 0
+    while len(order) < batch + n:
+        sampler.set_epoch(epoch)
+        order += sampler.epoch_order()
+        epoch += 1
+    return order[batch : batch + n]
+
+
+def raw_h5py_rate(cfg: Config, indices: list[int]) -> tuple[float, int]:
+    """Samples/s of reading (fields[t], fields[t + dt]) with h5py, nothing else."""
+    from utils.data_loader import ERA5Dataset
+
+    ds = ERA5Dataset(cfg, "train", cfg.limit_nsamples)
+    h, w = cfg.img_size
+    files = [h5py.File(f.path, "r")["fields"] for f in ds.files]
+    located = [ds.locate(i) for i in indices]
+
+    def read_all() -> int:
+        nbytes = 0
+        for file_no, t in located:
+            a = files[file_no][t, :, :h, :w]
+            b = files[file_no][t + cfg.dt, :, :h, :w]
+            nbytes += a.nbytes + b.nbytes
+        return nbytes
+
+    read_all()  # warm-up, as for the loader
+    t0 = time.perf_counter()
+    nbytes = read_all()
+    rate = len(indices) / (time.perf_counter() - t0)
+    for f in files:
+        f.file.close()
+    return rate, nbytes // max(1, len(indices))
+
+
+# -------------------------------------------------------------------- rungs ---
+@dataclass
+class Options:
+    steps: int
+    warmup: int
+    profile_steps: int
+    loader_batches: int
+    out_dir: Path
+    device: torch.device
+    results: list[dict[str, Any]] = field(default_factory=list)
+
+
+def rung_configs(base: Config, names: list[str], workers: int, amp: str,
+                 cuda: bool) -> list[tuple[str, Config]]:
+    out, settings = [], {}
+    for name, change in RUNGS:
+        for key, value in change.items():
+            settings[key] = {"num_data_workers": workers, "amp_mode": amp}[key] if value is None else value
+        if name == "+graphs" and not cuda:
+            continue
+        if name in names:
+            out.append((name, with_overrides(base, **settings)))
+    return out
+
+
+def trainer_class(name: str) -> type[Trainer]:
+    if name != "+graphs":
+        return Trainer
+    from train_graph import GraphTrainer
+
+    return GraphTrainer
+
+
+def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
+             peaks: dict[str, float], loader_cache: dict) -> dict[str, Any]:
+    total = opts.warmup + opts.steps + opts.profile_steps
+    cfg = with_overrides(cfg, num_iters=total, warmup=0, checkpoint_every=0)
+    reset_peak_memory(opts.device)
+    run_dir = Path(tempfile.mkdtemp(prefix="rung-", dir=opts.out_dir))
+    trainer = trainer_class(name)(cfg, RunContext(device=opts.device, run_dir=run_dir), batch)
+    timed = TimedBatches(trainer.train_data, opts.device, opts.warmup, opts.warmup + opts.steps)
+    trainer.train_data = timed
+    t0 = time.perf_counter()
+    trainer.model.train()
+    while trainer.step < total:
+        epoch, start = divmod(trainer.step, timed.batches_per_epoch)
+        trainer.train_epoch(epoch, start)
+    dev.synchronize(opts.device)
+    if timed.profiler is not None:
+        timed.profiler.stop()
+    elapsed = timed.t_end - timed.t_start
+    step_ms = 1000.0 * elapsed / opts.steps
+    phases = phase_ms(timed.profiler, opts.device, opts.profile_steps) if timed.profiler else {}
+    breakdown = {"data_wait": 1000.0 * timed.wait / opts.steps, **phases}
+    breakdown["other"] = step_ms - sum(breakdown.values())
+    mem, mem_kind = peak_memory(opts.device)
+    samples_per_sec = opts.steps * batch / elapsed
+    loader_key = (cfg.data_loader_config, cfg.num_data_workers)
+    if loader_key not in loader_cache:
+        loader_cache[loader_key] = loader_alone(trainer, opts.loader_batches)
+    close = getattr(trainer.train_data.inner, "close", None)
+    if close:
+        close()
+    return {
+        "name": name,
+        "settings": {k: getattr(cfg, k) for k in ("data_loader_config", "num_data_workers", "amp_mode",
+                                                  "enable_fused", "enable_jit")},
+        "samples_per_sec": samples_per_sec,
+        "step_ms": step_ms,
+        "warmup_seconds": timed.t_start - t0,  # includes compilation on the +compile rungs
+        "breakdown_ms": breakdown,
+        "peak_memory_bytes": mem,
+        "memory_kind": mem_kind,
+        "mfu": flops * samples_per_sec / peaks[cfg.amp_mode],
+        "loader": loader_cache[loader_key],
+        "mean_train_loss": float(trainer.epoch_loss.item() / max(1, trainer.epoch_steps)),
+    }
+
+
+def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[str, float],
+              amp: str, fused: bool, jit: bool) -> dict[str, Any]:
+    """The reference: the same model and one batch from memory, nothing around the step."""
+    device = opts.device
+    torch.manual_seed(cfg.seed)
+    model = build_vit(cfg).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), fused=fused or None)
+    forward = torch.compile(model) if jit else model
+    loss_fn = torch.compile(relative_l2_loss) if jit else relative_l2_loss
+    h, w = cfg.img_size
+    inp = torch.randn(batch, cfg.n_in_channels, h, w, device=device)
+    tar = torch.randn(batch, cfg.n_out_channels, h, w, device=device)
+
+    def step() -> None:
+        with dev.autocast(device, amp):
+            pred = forward(inp)
+        loss_fn(pred.float(), tar).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(opts.warmup):
+        step()
+    dev.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(opts.steps):
+        step()
+    dev.synchronize(device)
+    rate = opts.steps * batch / (time.perf_counter() - t0)
+    return {"name": f"bare loop ({amp}{', fused' if fused else ''}{', compile' if jit else ''})",
+            "settings": {"amp_mode": amp, "enable_fused": fused, "enable_jit": jit},
+            "samples_per_sec": rate, "mfu": flops * rate / peaks[amp]}
+
+
+# ------------------------------------------------------------------- output ---
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"Config `{report['config']}`, batch {report['batch']}, {report['steps']} timed steps "
+             f"after {report['warmup']} warm-up; {report['device_name']}, torch {report['torch']} "
+             f"(1-minute load average at the end: {report['load_average_1min_at_end']:.1f}).",
+             f"Model: {report['flops_per_sample'] / 1e9:.2f} GFLOP per sample (forward + backward, "
+             f"FlopCounterMode). Matmul peak measured here: "
+             + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in report["matmul_peak_flops"].items())
+             + ".", "",
+             "| rung | samples/s | step ms | data wait | forward | backward | optimizer | peak mem MB "
+             "| MFU | loader alone / raw h5py | warm-up s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rungs"]:
+        b = r["breakdown_ms"]
+        mem = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r["peak_memory_bytes"] else "n/a"
+        ld = r["loader"]
+        lines.append(
+            f"| {r['name']} | {r['samples_per_sec']:.2f} | {r['step_ms']:.0f} | {b['data_wait']:.0f} "
+            f"| {b.get('forward', float('nan')):.0f} | {b.get('backward', float('nan')):.0f} "
+            f"| {b.get('optimizer', float('nan')):.0f} | {mem} | {100 * r['mfu']:.1f}% "
+            f"| {ld['samples_per_sec']:.0f} / {ld['raw_h5py_samples_per_sec']:.0f} "
+            f"({100 * ld['ratio_to_raw']:.0f}%) | {r['warmup_seconds']:.1f} |")
+    for r in report["bare"]:
+        lines.append(f"| {r['name']} | {r['samples_per_sec']:.2f} | | | | | | | {100 * r['mfu']:.1f}% | | |")
+    best = report.get("best")
+    if best:
+        lines += ["", f"Best rung: {best['name']}, {best['samples_per_sec_vs_bare']:.0%} of the bare loop "
+                      f"with the same settings; MFU {best['mfu']:.0%} of the measured "
+                      f"{best['dtype']} matmul peak; its loader alone reaches "
+                      f"{best['loader_ratio_to_raw']:.0%} of the raw h5py read."]
+    return "\n".join(lines) + "\n"
+
+
+def ensure_data(cfg: Config, samples: int) -> None:
+    """Generate synthetic data of the config's grid when its data directory is missing."""
+    if cfg.data_path.exists():
+        return
+    from scripts.make_synthetic_era5 import generate
+
+    print(f"generating {samples} samples per split of synthetic data in {cfg.data_path}", file=sys.stderr)
+    generate(cfg.data_path, cfg.img_size, samples, {"train": [2016], "valid": [2017], "test": [2018]},
+             seed=0, quiet=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
+    p.add_argument("--config", default="small")
+    p.add_argument("--data_dir", help="override the config's data_dir")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per rung")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--profile_steps", type=int, default=2,
+                   help="steps under torch.profiler for the breakdown")
+    p.add_argument("--loader_batches", type=int, default=8, help="batches for the loader-alone measurement")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader / DALI workers from +workers on")
+    p.add_argument("--amp", choices=("bf16", "fp16"), default="bf16", help="dtype of the +AMP rung")
+    p.add_argument("--rungs", default=",".join(RUNG_NAMES), help="comma-separated subset of: "
+                   + ", ".join(RUNG_NAMES))
+    p.add_argument("--no_bare", action="store_true", help="skip the bare-loop reference")
+    p.add_argument("--matmul_size", type=int, default=2048,
+                   help="matmul peak: best of n/2, n and 2n square matmuls")
+    p.add_argument("--out_dir", type=Path, default=Path("logs/benchmark"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    names = [n.strip() for n in args.rungs.split(",") if n.strip()]
+    unknown = set(names) - set(RUNG_NAMES)
+    if unknown:
+        raise SystemExit(f"unknown rung(s) {', '.join(sorted(unknown))}; choose from {', '.join(RUNG_NAMES)}")
+    if min(args.steps, args.warmup + 1, args.profile_steps, args.loader_batches) < 1:
+        raise SystemExit("--steps, --profile_steps and --loader_batches must be at least 1")
+    base = load_config(args.yaml_config, args.config)
+    if args.data_dir:
+        base = with_overrides(base, data_dir=args.data_dir)
+    batch = base.global_batch_size
+    total = args.warmup + args.steps + args.profile_steps
+    ensure_data(base, max(256, (total + args.loader_batches + 2) * batch))
+    dev.set_cpu_threads(1)
+    device = dev.pick_device(0)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    opts = Options(args.steps, args.warmup, args.profile_steps, args.loader_batches, args.out_dir, device)
+
+    flops = flops_per_sample(base, batch, device)
+    peaks = {mode: matmul_peak(device, DTYPES[mode], args.matmul_size) for mode in ("none", args.amp)}
+    rungs, loader_cache = [], {}
+    for name, cfg in rung_configs(base, names, args.workers, args.amp, device.type == "cuda"):
+        print(f"rung {name} ...", file=sys.stderr, flush=True)
+        rungs.append(run_rung(name, cfg, opts, batch, flops, peaks, loader_cache))
+        print(f"  {rungs[-1]['samples_per_sec']:.2f} samples/s", file=sys.stderr, flush=True)
+    report: dict[str, Any] = {
+        "config": args.config, "batch": batch, "steps": args.steps, "warmup": args.warmup,
+        "device": str(device), "device_name": device_name(device), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "flops_per_sample": flops,
+        "load_average_1min_at_end": os.getloadavg()[0],  # other work on the machine skews everything
+        "matmul_peak_flops": {("fp32" if k == "none" else k): v for k, v in peaks.items()},
+        "rungs": rungs, "bare": [],
+    }
+    if rungs and not args.no_bare:
+        best = max(rungs, key=lambda r: r["samples_per_sec"])
+        s = best["settings"]
+        reference = bare_loop(base, batch, opts, flops, peaks, s["amp_mode"], s["enable_fused"],
+                              s["enable_jit"])
+        report["bare"].append(reference)
+        if (s["amp_mode"], s["enable_fused"], s["enable_jit"]) != ("none", False, False):
+            report["bare"].append(bare_loop(base, batch, opts, flops, peaks, "none", False, False))
+        report["best"] = {
+            "name": best["name"], "samples_per_sec": best["samples_per_sec"],
+            "samples_per_sec_vs_bare": best["samples_per_sec"] / reference["samples_per_sec"],
+            "mfu": best["mfu"], "dtype": "fp32" if s["amp_mode"] == "none" else s["amp_mode"],
+            "loader_ratio_to_raw": best["loader"]["ratio_to_raw"],
+        }
+    (args.out_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
+    (args.out_dir / "benchmark.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"CUDA device {device.index}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+# Shared by the submit_pm*.sh batch scripts (sourced, not run). Provides run_training:
+#
+#   run_training ENTRY_SCRIPT [ARGS...]
+#
+# starts one srun step with one training process per Slurm task. Settings, all
+# overridable from the environment at submission (sbatch exports it to the job):
+#   DATADIR   ERA5 folder (train/, valid/, stats/)       default: the tutorial's copy on Perlmutter
+#   LOGDIR    root of the run directories                 default: $SCRATCH/era5-vit/logs or ./logs
+#   IMAGE     Shifter image, used when `shifter` exists   default: the tutorial's PyTorch container
+#   ENABLE_PROFILING=1 PROFILE_OUTPUT=name   run under `nsys profile` (output in $LOGDIR)
+#   REQUEUE=1  when training stops on a signal (status 75) the job is put back in the queue
+#   PYTHON    interpreter outside a container             default: REPO/.venv/bin/python, else python3
+
+: "${DATADIR:=/pscratch/sd/s/shas1693/data/sc23_tutorial_data/downsampled}"
+if [ -n "${SCRATCH:-}" ]; then : "${LOGDIR:=$SCRATCH/era5-vit/logs}"; else : "${LOGDIR:=$REPO/logs}"; fi
+: "${IMAGE:=nersc/pytorch:ngc-23.07-v0}"
+EXIT_STOPPED=75  # utils/preemption.py: stopped on a signal after writing the checkpoint
+
+# HDF5's file locks fail or serialise reads on Lustre and DVS mounts; the data is read-only.
+export HDF5_USE_FILE_LOCKING=FALSE
+# Rendezvous: the batch script runs on the job's first node; a port derived from the job ID
+# lets several jobs share a node.
+export MASTER_ADDR=${MASTER_ADDR:-$(hostname)}
+export MASTER_PORT=${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 20000))}
+if [ "${NERSC_HOST:-}" = perlmutter ]; then
+  export FI_MR_CACHE_MONITOR=userfaultfd  # libfabric memory registration cache on Slingshot
+  # Slurm gives task i the cores nearest GPU 3-i on a Perlmutter node: number the GPUs
+  # backwards so that local rank i (which takes GPU i) runs next to its GPU.
+  if [ "${SLURM_GPUS_ON_NODE:-0}" = 4 ]; then export CUDA_VISIBLE_DEVICES=3,2,1,0; fi
+fi
+
+run_training() {
+  local entry=$1; shift
+  local launcher=(srun --kill-on-bad-exit=1 -u)
+  local profile=() cmd=() rc=0
+  mkdir -p "$LOGDIR" || return 1
+  if [ "${ENABLE_PROFILING:-0}" = 1 ]; then
+    local out="$LOGDIR/${PROFILE_OUTPUT:-profile}"
+    [ "${SLURM_NTASKS:-1}" -gt 1 ] && out="${out}_rank%q{SLURM_PROCID}"  # one report per rank
+    profile=(nsys profile --trace=cuda,cublas,nvtx --kill none -c cudaProfilerApi -f true -o "$out")
+  fi
+  if command -v shifter >/dev/null 2>&1; then
+    # pip install --user inside this image goes to its own folder, not the host's ~/.local
+    export PYTHONUSERBASE="$HOME/.local/perlmutter/${IMAGE//[:\/]/_}"
+    cmd=(shifter --image="$IMAGE" --volume="$DATADIR:/data;$LOGDIR:/logs"
+         bash -c 'source ./export_DDP_vars.sh && exec "$@"' rank "${profile[@]}" python "$entry" "$@")
+  else
+    local python=${PYTHON:-}
+    if [ -z "$python" ]; then
+      if [ -x "$REPO/.venv/bin/python" ]; then python=$REPO/.venv/bin/python; else python=python3; fi
+    fi
+    if [ ${#profile[@]} -gt 0 ] && ! command -v nsys >/dev/null 2>&1; then
+      echo "error: ENABLE_PROFILING=1 needs Nsight Systems (nsys) on PATH; load it or unset ENABLE_PROFILING" >&2
+      return 2
+    fi
+    # outside the container /data and /logs do not exist: point the flags at the folders
+    # (flags given to this script come later and win)
+    cmd=(bash -c 'source ./export_DDP_vars.sh && exec "$@"' rank "${profile[@]}" "$python" "$entry"
+         --data_dir "$DATADIR" --expdir "$LOGDIR" "$@")
+  fi
+  cd "$REPO" || return 1
+  set -x
+  "${launcher[@]}" "${cmd[@]}"
+  rc=$?
+  { set +x; } 2>/dev/null
+  if [ "$rc" = "$EXIT_STOPPED" ] && [ "${REQUEUE:-0}" = 1 ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+    echo "training stopped on a signal with a checkpoint: requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" && return 0
+  fi
+  return "$rc"
+}

@@ -1,0 +1,71 @@
+"""train.py with fault injection, for the distributed tests (launched by torchrun).
+
+Environment variables (all optional):
+  DDP_TEST_RAISE_AT=R:S   rank R raises RuntimeError in its step S (0-based)
+  DDP_TEST_NAN_AT=R:S     rank R reports a NaN loss for its step S (its gradients stay finite)
+  DDP_TEST_SIGNAL_AT=R:S  rank R sends itself SIGUSR1 during its step S
+  DDP_TEST_READONLY=DIR   every rank but 0 fails if it opens a file under DIR for writing
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from utils.launch import main  # noqa: E402
+from utils.trainer import Trainer  # noqa: E402
+
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def _at(name: str) -> int | None:
+    """The step at which this rank should misbehave, from NAME=rank:step."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    rank, step = value.split(":")
+    return int(step) if int(rank) == RANK else None
+
+
+def forbid_writes_under(root: str) -> None:
+    """Make any open-for-writing below ``root`` raise (an audit hook sees every open())."""
+    root = os.path.realpath(root)
+
+    def hook(event: str, args: tuple) -> None:
+        if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)):
+            return
+        path, mode, flags = args
+        writing = (mode is not None and any(c in mode for c in "wax+")) or \
+            (mode is None and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        if writing and os.path.realpath(os.fsdecode(path)).startswith(root):
+            raise PermissionError(f"rank {RANK} tried to write {path}")
+
+    sys.addaudithook(hook)
+
+
+class FaultyTrainer(Trainer):
+    raise_at = _at("DDP_TEST_RAISE_AT")
+    nan_at = _at("DDP_TEST_NAN_AT")
+    signal_at = _at("DDP_TEST_SIGNAL_AT")
+
+    def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        if self.step == self.raise_at:
+            raise RuntimeError(f"injected failure on rank {RANK} at step {self.step}")
+        if self.step == self.signal_at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        loss = super().train_step(inp, tar)
+        if self.step == self.nan_at:
+            return torch.full_like(loss, float("nan"))
+        return loss
+
+
+if __name__ == "__main__":
+    if RANK != 0 and os.environ.get("DDP_TEST_READONLY"):
+        forbid_writes_under(os.environ["DDP_TEST_READONLY"])
+    sys.exit(main(FaultyTrainer, description="train.py with fault injection"))

@@ -1,0 +1,60 @@
+"""Run a function on several CPU ranks (gloo) and fail everywhere if any rank fails.
+
+Every rank runs ``fn(*args)``, catches its own error, then the ranks all-reduce a failure
+flag, so one failing rank makes every rank report failure instead of leaving the others
+waiting in a collective. The process group has a timeout, and so does the join.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 60
+
+
+def _worker(rank: int, world: int, init_file: str, fn, args, result_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    error = ""
+    try:
+        fn(*args)
+    except Exception:  # reported below, after every rank has said how it went
+        error = traceback.format_exc()
+    failed = torch.tensor([1 if error else 0])
+    dist.all_reduce(failed)
+    dist.destroy_process_group()
+    if error:
+        with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
+            f.write(error)
+    if failed.item():
+        raise SystemExit(1)
+
+
+def run_ranks(world: int, fn, *args) -> None:
+    """Run ``fn(*args)`` on ``world`` ranks; raise AssertionError with the first rank's error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        ctx = mp.start_processes(_worker, args=(world, init_file, fn, args, tmp), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + 3 * TIMEOUT_S
+        try:
+            while not ctx.join(timeout=2):
+                if time.monotonic() > deadline:
+                    for proc in ctx.processes:
+                        proc.terminate()
+                    raise AssertionError(f"ranks still running after {3 * TIMEOUT_S} s; stopped them")
+        except mp.ProcessRaisedException as err:
+            raise AssertionError(str(err)) from None
+        except mp.ProcessExitedException:
+            errors = [p.read_text() for p in sorted(Path(tmp).glob("rank*.err"))]
+            raise AssertionError("\n".join(errors) or "a rank failed") from None

@@ -1,0 +1,259 @@
+"""Model parallelism: group layouts, autograd collectives, and the parallel ViT against the serial one.
+
+Distributed tests run 2 or 4 CPU ranks with gloo (tests/dist_spawn.py): every rank
+computes its checks into a pass/fail flag, the flags are combined across ranks, and a
+failure on any rank fails the test on all of them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import mappings as M
+from distributed.helpers import full_state, load_full_state, wrap_for_training
+from networks.vit import ViT
+from tests.dist_spawn import run_ranks
+from utils.comm import check_model, check_sizes, group_layouts, init_comm
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------------ group layouts ---
+def test_readme_example_8_ranks_tp4():
+    g = group_layouts(8, tp=4, cp=1)
+    assert g["tp-cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert g["tp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["cp"] == [[r] for r in range(8)]
+
+
+def test_layouts_tp2_cp2_dp2_default_order():
+    g = group_layouts(8, tp=2, cp=2)
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["tp-cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_layouts_other_orders():
+    g = group_layouts(8, tp=2, cp=2, order="dp-tp-cp")  # dp fastest: data replicas adjacent
+    assert g["dp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g["tp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["cp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["tp-cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    g = group_layouts(4, tp=2, cp=2, order="cp-tp-dp")
+    assert g["cp"] == [[0, 1], [2, 3]]
+    assert g["tp"] == [[0, 2], [1, 3]]
+    assert g["dp"] == [[0], [1], [2], [3]]
+
+
+def test_layouts_partition_every_rank_once():
+    for world, tp, cp, order in [(12, 3, 2, "tp-cp-dp"), (12, 2, 3, "cp-dp-tp"), (6, 1, 6, "dp-cp-tp")]:
+        g = group_layouts(world, tp, cp, order)
+        for name, size in [("tp", tp), ("cp", cp), ("dp", world // (tp * cp)), ("tp-cp", tp * cp)]:
+            assert sorted(r for grp in g[name] for r in grp) == list(range(world))
+            assert all(len(grp) == size for grp in g[name])
+        # a tp group and a dp group meet in exactly one rank (orthogonal)
+        assert all(len(set(a) & set(b)) <= 1 for a in g["tp"] for b in g["dp"])
+
+
+def test_single_process_comm():
+    comm = init_comm(1, 1)
+    assert (comm.tp_size, comm.cp_size, comm.dp_size, comm.tp_rank, comm.dp_group) == (1, 1, 1, 0, None)
+    assert not comm.model_parallel
+
+
+@pytest.mark.parametrize("world,tp,cp,order,message", [
+    (8, 3, 1, "tp-cp-dp", "not divisible by tensor_parallel x context_parallel"),
+    (4, 2, 1, "tp-dp", "must name tp, cp and dp"),
+    (4, 0, 1, "tp-cp-dp", "at least 1"),
+])
+def test_bad_sizes(world, tp, cp, order, message):
+    with pytest.raises(ValueError, match=message):
+        check_sizes(world, tp, cp, order)
+
+
+def test_model_must_split():
+    with pytest.raises(ValueError, match="num_heads must be divisible by tensor_parallel.*num_heads=4"):
+        check_model(tp=3, cp=1, embed_dim=96, num_heads=4, mlp_hidden=384, num_tokens=8)
+    with pytest.raises(ValueError, match="context_parallel exceeds the number of tokens"):
+        check_model(tp=1, cp=16, embed_dim=32, num_heads=4, mlp_hidden=128, num_tokens=8)
+
+
+# ----------------------------------------------------------------------- mappings ---
+def _check(name: str, got: torch.Tensor, want: list) -> None:
+    want_t = torch.tensor(want, dtype=got.dtype)
+    if not torch.equal(got, want_t):
+        raise AssertionError(f"{name}: got {got.tolist()}, want {want}")
+
+
+def _mappings_on_ranks() -> None:
+    r, group = dist.get_rank(), dist.group.WORLD
+    c = float(r + 1)  # each rank weights its output differently, so backward sums are visible
+
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    y = M.copy_to(x, group)
+    (y * c).sum().backward()
+    _check("copy_to forward", y.detach(), [1.0, 2.0])
+    _check("copy_to backward (all-reduce 1 + 2)", x.grad, [3.0, 3.0])
+
+    x = torch.full((2,), c, requires_grad=True)
+    y = M.reduce_from(x, group)
+    (y * c).sum().backward()
+    _check("reduce_from forward (1 + 2)", y.detach(), [3.0, 3.0])
+    _check("reduce_from backward (identity)", x.grad, [c, c])
+
+    # uneven: 5 items as 3 + 2
+    x = torch.arange(5.0, requires_grad=True)
+    y = M.scatter_to(x, 0, group, [3, 2])
+    (y * c).sum().backward()
+    _check("scatter_to forward", y.detach(), [[0.0, 1.0, 2.0], [3.0, 4.0]][r])
+    _check("scatter_to backward (all-gather)", x.grad, [1.0, 1.0, 1.0, 2.0, 2.0])
+    _check("default split 10 over 4", torch.tensor(M.split_sizes(10, 4)), [3, 3, 2, 2])
+
+    w = torch.arange(5.0) + 10 * r
+    x = torch.tensor([[0.0, 1.0, 2.0], [3.0, 4.0]][r], requires_grad=True)
+    y = M.gather_from(x, 0, group, [3, 2])
+    (y * w).sum().backward()
+    _check("gather_from forward", y.detach(), [0.0, 1.0, 2.0, 3.0, 4.0])
+    _check("gather_from backward (own slice)", x.grad, [[0.0, 1.0, 2.0], [13.0, 14.0]][r])
+
+    x = torch.tensor([[0.0, 1.0, 2.0], [3.0, 4.0]][r], requires_grad=True)
+    y = M.gather_sequence(x, 0, group, [3, 2])
+    (y * w).sum().backward()
+    _check("gather_sequence forward", y.detach(), [0.0, 1.0, 2.0, 3.0, 4.0])
+    # w0 + w1 = 2 * arange(5) + 10, rank 0 keeps items 0..2, rank 1 items 3..4
+    _check("gather_sequence backward (reduce-scatter)", x.grad, [[10.0, 12.0, 14.0], [16.0, 18.0]][r])
+
+    # non-contiguous input: a transposed (2, 5) view, split along dim 1 as 3 + 2
+    base = torch.arange(10.0).view(5, 2)
+    x = base.t().requires_grad_()  # x[i, j] = 2 j + i
+    assert not x.is_contiguous()
+    y = M.scatter_to(x, 1, group, [3, 2])
+    want = [[[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]], [[6.0, 8.0], [7.0, 9.0]]][r]
+    _check("scatter_to of a non-contiguous tensor", y.detach(), want)
+    z = M.gather_from(y.t(), 0, group, [3, 2])  # gather a non-contiguous slice back
+    _check("gather_from of a non-contiguous tensor", z.detach(), base.tolist())
+
+    # a group of one rank (or None): identity both ways
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    for f in (lambda t: M.copy_to(t, None), lambda t: M.reduce_from(t, None),
+              lambda t: M.gather_sequence(t, 0, None)):
+        f(x).sum().backward()
+    _check("identity without a group", x.grad, [3.0, 3.0])
+
+
+def _fail_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("only rank 1 fails")
+
+
+def test_a_failure_on_one_rank_fails_the_test():
+    with pytest.raises(AssertionError, match="only rank 1 fails"):
+        run_ranks(2, _fail_on_rank_1)
+
+
+# ------------------------------------------------------- parallel ViT == serial ViT ---
+# fp32, tolerance rtol 1e-4 with an absolute floor of 1e-5 x the largest magnitude: the
+# parallel model sums the same products in a different order (split matmuls, then an
+# all-reduce), which changes fp32 rounding (eps 1.2e-7) by about 1e-6 relative after a
+# few hundred additions. Real bugs (a bias added twice, a gradient summed over tp or not
+# summed over cp) are errors of order 1 and fail by many orders of magnitude. Weight
+# gradients get an absolute floor of 1e-5 x the largest weight gradient: the key bias's
+# gradient is zero in exact arithmetic (softmax ignores a shift shared by all scores), so
+# only rounding noise (about 1e-7 of the largest gradient) is left to compare there.
+RTOL = 1e-4
+ATOL_FRACTION = 1e-5
+
+MODEL = dict(img_size=(12, 20), patch_size=4, in_channels=3, out_channels=2, embed_dim=32, depth=2,
+             num_heads=4)  # 3 x 5 = 15 tokens: context parallel splits them unevenly (8 + 7)
+GLOBAL_BATCH = 4
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, errors: list[str], scale: float = 0.0) -> None:
+    atol = ATOL_FRACTION * max(want.abs().max().item(), scale)
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=RTOL, atol=atol):
+        diff = (got - want).abs().max().item() if got.shape == want.shape else "shape"
+        errors.append(f"{name}: max difference {diff} (scale {want.abs().max().item():.3g})")
+
+
+def _parity_on_ranks(layouts: list[tuple[int, int]]) -> None:
+    errors: list[str] = []
+    for tp, cp in layouts:
+        comm = init_comm(tp, cp)
+        where = f"tp={tp} cp={cp} dp={comm.dp_size} ({comm.describe()})"
+        torch.manual_seed(0)
+        serial = ViT(**MODEL)
+        state_after_serial = torch.get_rng_state()
+        torch.manual_seed(0)
+        par = ViT(**MODEL, comm=comm)
+        if not torch.equal(torch.get_rng_state(), state_after_serial):
+            errors.append(f"{where}: building the parallel model used the random generator differently")
+        for name, full in full_state(par, comm).items():  # initialised as the serial model's shards
+            _close(f"{where} initial weight {name}", full, serial.get_parameter(name).detach(), errors)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # biases start at 0 and norms at 1: move them so every term counts
+            for p in serial.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+        load_full_state(par, serial.state_dict(), comm)
+        model = wrap_for_training(par, comm, torch.device("cpu"))
+
+        x = torch.randn(GLOBAL_BATCH, 3, 12, 20, generator=gen)
+        w = torch.randn(GLOBAL_BATCH, 2, 12, 20, generator=gen)  # loss weights: distinct gradients
+
+        xs = x.clone().requires_grad_()
+        out_s = serial(xs)
+        (out_s * w).sum().div(GLOBAL_BATCH).backward()
+
+        local = GLOBAL_BATCH // comm.dp_size  # each data-parallel replica takes its part
+        sl = slice(comm.dp_rank * local, (comm.dp_rank + 1) * local)
+        xp = x[sl].clone().requires_grad_()
+        out_p = model(xp)
+        (out_p * w[sl]).sum().div(local).backward()
+
+        _close(f"{where} output", out_p.detach(), out_s.detach()[sl], errors)
+        # the input gradient: context-parallel ranks each hold the part that flowed through
+        # their tokens (summed here); per-replica mean losses make it dp times the serial one
+        gx = M.reduce_from(xp.grad, comm.cp_group) / comm.dp_size
+        _close(f"{where} input gradient", gx, xs.grad[sl], errors)
+        grads = full_state(par, comm, grads=True)
+        largest = max(p.grad.abs().max().item() for p in serial.parameters())
+        for name, p in serial.named_parameters():
+            _close(f"{where} gradient of {name}", grads[name], p.grad, errors, largest)
+    if errors:
+        raise AssertionError(f"rank {dist.get_rank()}:\n" + "\n".join(errors[:12]))
+
+
+def _mappings_then_parity(layouts: list[tuple[int, int]]) -> None:
+    _mappings_on_ranks()
+    _parity_on_ranks(layouts)
+
+
+def test_mappings_and_tp2_cp2_match_serial_on_two_ranks():
+    """One set of 2 ranks (starting ranks is the slow part): the mappings against
+    hand-computed values, then the parallel ViT against the serial one for tp=2 and cp=2."""
+    run_ranks(2, _mappings_then_parity, [(2, 1), (1, 2)])
+
+
+@pytest.mark.slow
+def test_four_rank_layouts_match_serial():
+    # tp=2 x dp=2, tp=2 x cp=2, cp=2 x dp=2 (cp gradients summed inside DDP's comm hook)
+    run_ranks(4, _parity_on_ranks, [(2, 1), (2, 2), (1, 2)])
+
+
+def test_saved_activation_bytes_counts_each_storage_once():
+    from scripts.mp_memory import saved_activation_bytes
+
+    lin = torch.nn.Linear(8, 4)
+    x = torch.randn(16, 8)
+    nbytes, out = saved_activation_bytes(lambda t: lin(t) + lin(t), x)  # x saved twice, counted once
+    assert nbytes == 16 * 8 * 4  # the weight is a parameter, not an activation
+    assert out.shape == (16, 4)
+
+
+def test_config_rejects_a_bad_parallel_order(cfg_factory):
+    assert cfg_factory(parallel_order="dp-cp-tp").parallel_order == "dp-cp-tp"
+    with pytest.raises(ValueError, match="'parallel_order' is 'tp-dp'"):
+        cfg_factory(parallel_order="tp-dp")

@@ -1,0 +1,82 @@
+"""Stop signals in one process: checkpoint at the next step, exact resume, second signal kills.
+(The multi-rank agreement is tested with torchrun in test_ddp.py, Slurm in test_slurm.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO, subprocess_env
+from utils import preemption
+from utils.trainer import RunContext, Trainer
+
+
+class SignalledTrainer(Trainer):
+    signal_at: int | None = None
+
+    def train_step(self, inp, tar):
+        if self.step == self.signal_at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return super().train_step(inp, tar)
+
+
+@pytest.fixture
+def handlers():
+    preemption.install_handlers()
+    yield
+    preemption.restore_handlers()
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in trainer.model_state().items()}
+
+
+def test_signal_checkpoints_at_next_step_and_resume_is_exact(cfg_factory, tmp_path, handlers):
+    cfg = cfg_factory(num_iters=8)
+    reference = Trainer(cfg, RunContext(torch.device("cpu"), tmp_path / "ref"), 4)
+    reference.fit()
+
+    ctx = RunContext(torch.device("cpu"), tmp_path / "run")
+    first = SignalledTrainer(cfg, ctx, 4)
+    first.signal_at = 2  # the signal arrives during step 2; one process stops after it
+    first.fit()
+    assert first.stopped_early and first.step == 3
+    assert preemption.received() == "SIGUSR1"
+    assert torch.load(first.checkpoint_path, weights_only=False)["step"] == 3
+
+    preemption.restore_handlers()
+    preemption.install_handlers()
+    second = Trainer(cfg, ctx, 4)
+    second.fit()
+    assert not second.stopped_early and second.step == 8
+    for name, w in weights(reference).items():
+        torch.testing.assert_close(weights(second)[name], w, rtol=0, atol=0, msg=name)
+
+
+def test_without_a_signal_nothing_stops(cfg_factory, tmp_path, handlers):
+    trainer = Trainer(cfg_factory(num_iters=3), RunContext(torch.device("cpu"), tmp_path), 4)
+    trainer.fit()
+    assert not trainer.stopped_early and trainer.step == 3 and preemption.received() is None
+
+
+def test_check_interval_must_be_positive():
+    with pytest.raises(ValueError, match="--stop_check_every must be at least 1"):
+        preemption.StopAgreement(torch.device("cpu"), check_every=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_second_signal_kills_as_usual():
+    """A stuck run can still be stopped: the first TERM is caught, the second is not."""
+    code = ("import os, signal, time; from utils import preemption; preemption.install_handlers(); "
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2); "
+            "assert preemption.received() == 'SIGTERM'; print('survived', flush=True); "
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); print('still alive')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
+                            capture_output=True, text=True, timeout=50)
+    assert result.stdout.split() == ["survived"], result.stderr
+    assert result.returncode == -signal.SIGTERM

@@ -1,0 +1,120 @@
+"""The submit scripts, submitted to a real single-node Slurm that this module starts.
+
+Needs root and apt (or Slurm already installed); skipped with the reason otherwise. The
+jobs train the conftest test model on CPU for a few steps; every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, subprocess_env
+from tests.ddp_helpers import metrics, run_dir, train_args, write_test_yaml
+from tests.slurm_harness import SlurmCluster, SlurmUnavailableError, ensure_installed
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
+
+JOB_TIMEOUT = 120  # seconds; these jobs take 5-20 s here
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    try:
+        ensure_installed()
+    except SlurmUnavailableError as err:
+        pytest.skip(f"no local Slurm: {err}")
+    # not under pytest's 0700 tmp folders: munged wants every parent of its socket traversable
+    base = Path(tempfile.mkdtemp(prefix="slurm-test-", dir="/tmp"))
+    cluster = SlurmCluster(base)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def test_yaml(tmp_path_factory) -> Path:
+    return write_test_yaml(tmp_path_factory.mktemp("slurm_yaml") / "ViT.yaml")
+
+
+def submit(slurm: SlurmCluster, script: str, args: list[str], tmp_path: Path, options=(), **env) -> str:
+    """sbatch from the repository's top folder (as users do), job output into tmp_path."""
+    return slurm.sbatch(REPO / script, args, ["-o", f"{tmp_path}/%x-%j.out", *options], cwd=REPO,
+                        env=subprocess_env(**env))
+
+
+def job_output(tmp_path: Path, job: str) -> str:
+    return next(tmp_path.glob(f"*-{job}.out")).read_text()
+
+
+def test_submit_pm_trains_and_writes_logs(slurm, data_dir, test_yaml, tmp_path):
+    """DATADIR and LOGDIR come from the environment; every script argument reaches train.py."""
+    logdir = tmp_path / "logs"
+    args = train_args(test_yaml, None, None, num_iters=4, run_num="args_passed")
+    job = submit(slurm, "submit_pm.sh", args, tmp_path, ["-n", "1"], DATADIR=str(data_dir),
+                 LOGDIR=str(logdir))
+    info = slurm.wait(job, JOB_TIMEOUT)
+    out = job_output(tmp_path, job)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out[-3000:]
+    run = run_dir(logdir, 1, "args_passed")
+    assert "num_iters: 4" in (run / "config.yaml").read_text()
+    assert metrics(run)[-1]["step"] == 4
+    log_text = (run / "out.log").read_text()
+    assert "config tiny on cpu, 1 rank(s)" in log_text  # fake GPUs: CUDA_VISIBLE_DEVICES, no CUDA
+    assert "srun --kill-on-bad-exit=1" in out  # the script echoes its srun line
+
+
+def test_submit_pm_dp_runs_ddp_over_gloo(slurm, data_dir, test_yaml, tmp_path):
+    args = train_args(test_yaml, data_dir, tmp_path / "logs", num_iters=4)
+    job = submit(slurm, "submit_pm_dp.sh", args, tmp_path, ["-n", "2"])
+    info = slurm.wait(job, JOB_TIMEOUT)
+    out = job_output(tmp_path, job)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out[-3000:]
+    run = run_dir(tmp_path / "logs", 2)
+    log_text = (run / "out.log").read_text()
+    assert "process group: gloo, world size 2" in out
+    assert "local batch 4 on 2 ranks" in log_text
+    assert torch.load(run / "checkpoint.pt", weights_only=False)["step"] == 4
+
+
+def test_signal_checkpoints_and_requeued_job_resumes(slurm, data_dir, test_yaml, tmp_path):
+    """`scancel --signal=USR1` is what `#SBATCH --signal=USR1@90` sends before the time limit.
+    With REQUEUE=1 the job goes back to the queue, runs again and resumes from the checkpoint.
+    (One rank here; ranks that disagree about the signal: test_ddp.py.)"""
+    num_iters = 45  # 5 epochs: the signal (sent as training starts) arrives long before the end
+    args = train_args(test_yaml, data_dir, tmp_path / "logs", num_iters=num_iters, stop_check_every=2)
+    job = submit(slurm, "submit_pm.sh", args, tmp_path, ["-n", "1"], REQUEUE="1")
+    log_file = run_dir(tmp_path / "logs", 1) / "out.log"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not (log_file.exists() and "steps per epoch" in log_file.read_text()):
+        assert time.monotonic() < deadline, "training did not start"
+        assert slurm.job(job).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), \
+            job_output(tmp_path, job)[-3000:]
+        time.sleep(0.1)
+    slurm.signal(job, "USR1")
+    info = slurm.wait(job, JOB_TIMEOUT, restarts=1)
+    log_text = log_file.read_text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
+        log_text[-2000:] + job_output(tmp_path, job)[-3000:]
+    stopped = [line for line in log_text.splitlines() if "stopping at step" in line]
+    assert len(stopped) == 1 and "stop signal (SIGUSR1)" in stopped[0]
+    step = int(stopped[0].split("stopping at step ")[1].split()[0])
+    assert 0 < step < num_iters
+    assert f"at step {step}" in next(line for line in log_text.splitlines() if "resumed from" in line)
+    assert metrics(run_dir(tmp_path / "logs", 1))[-1]["step"] == num_iters
+
+
+def test_profiling_without_nsys_is_a_one_line_error(slurm, tmp_path):
+    job = submit(slurm, "submit_pm.sh", ["--config=tiny"], tmp_path, ["-n", "1"],
+                 ENABLE_PROFILING="1", PROFILE_OUTPUT="p", PATH="/usr/bin:/bin")
+    info = slurm.wait(job, JOB_TIMEOUT)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0")
+    assert "error: ENABLE_PROFILING=1 needs Nsight Systems (nsys) on PATH" in job_output(tmp_path, job)
