@@ -28,8 +28,10 @@ train: venv data
 lint: venv
 	$(BIN)/ruff check .
 
+# two pytest workers (pytest-xdist): most tests wait on subprocesses, so two share 2 cores well;
+# files whose module fixtures start ranks or a Slurm cluster stay on one worker (xdist_group)
 test: venv lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 clean-logs:
 	rm -rf logs

@@ -23,6 +23,8 @@ from utils.distributed import first_host, parse_env
 from utils.preemption import EXIT_STOPPED
 from utils.trainer import local_batch_size
 
+pytestmark = pytest.mark.xdist_group("ddp")  # with make test's -n 2: the module fixtures run once
+
 WORKER = REPO / "tests" / "ddp_worker.py"
 RUN_TIMEOUT = 120  # seconds for one torchrun job; a healthy one takes 10-20 s here
 

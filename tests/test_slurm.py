@@ -18,7 +18,7 @@ from tests.conftest import REPO, subprocess_env
 from tests.ddp_helpers import metrics, run_dir, train_args, write_test_yaml
 from tests.slurm_harness import SlurmCluster, SlurmUnavailableError, ensure_installed
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240), pytest.mark.xdist_group("slurm")]  # one cluster
 
 JOB_TIMEOUT = 120  # seconds; these jobs take 5-20 s here
 

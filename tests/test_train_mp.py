@@ -24,7 +24,7 @@ from utils.checkpoint import load
 from utils.comm import Comm, init_comm
 from utils.config import Config
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("train_mp")]  # module fixture runs once
 
 # fp32 with the same data order: only the summation order differs (split matmuls and
 # all-reduces), about 1e-7 relative per step; 1e-5 leaves room for 6 Adam steps.

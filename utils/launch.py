@@ -143,7 +143,10 @@ def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description:
                  env.world_size, run_dir)
         trainer = trainer_cls(cfg, ctx, local_batch)
     except ValueError as err:  # a user mistake: config, flags, data
-        print(f"error: {err}", file=sys.stderr)
+        # one write per line: print() writes the text and the newline separately, and the
+        # ranks' identical messages would interleave on a shared stderr
+        sys.stderr.write(f"error: {err}\n")
+        sys.stderr.flush()
         return abort(2)
     preemption.install_handlers()
     try:
