@@ -99,6 +99,16 @@ def test_resume_gives_the_same_losses(cfg_factory, tmp_path):
         torch.testing.assert_close(tensor, ends[1]["model"][name], rtol=0, atol=0)
 
 
+def test_rerunning_a_finished_run_says_how_to_train_again(cfg_factory, tmp_path, caplog):
+    cfg = cfg_factory(limit_nsamples=16, num_iters=2)
+    make_trainer(cfg, tmp_path / "run").fit()
+    with caplog.at_level("INFO", logger="utils.trainer"):
+        again = make_trainer(cfg, tmp_path / "run")
+        again.fit()
+    assert again.step == 2
+    assert "this run already took all 2 steps; to train again, pass another --run_num" in caplog.text
+
+
 def test_exactly_num_iters_when_less_than_an_epoch(cfg_factory, tmp_path):
     cfg = cfg_factory(num_iters=3)  # 80 samples / batch 4 = 20 steps per epoch
     trainer = make_trainer(cfg, tmp_path / "run")

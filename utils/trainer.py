@@ -317,6 +317,9 @@ class Trainer:
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
         log.info("resumed from %s at step %d", path, self.step)
+        if self.step >= self.cfg.num_iters:
+            log.info("this run already took all %d steps; to train again, pass another --run_num "
+                     "or delete %s", self.cfg.num_iters, self.ctx.run_dir)
 
     # ------------------------------------------------------------------- logging ---
     def open_writer(self) -> None:
