@@ -1,12 +1,14 @@
 """Synthetic ERA5 generator and the dataset / sampler over it."""
 
+import subprocess
+
 import h5py
 import numpy as np
 import pytest
 import torch
 
 from scripts import make_synthetic_era5 as gen
-from tests.conftest import TEST_IMG, TEST_SAMPLES_PER_YEAR
+from tests.conftest import REPO, TEST_IMG, TEST_SAMPLES_PER_YEAR
 from utils.data_loader import DataError, ERA5Dataset, ShardedSampler, get_data_loader
 from utils.era5 import CHANNELS, channel_index, latitudes
 
@@ -188,3 +190,17 @@ def test_missing_fields_dataset_and_stats(tmp_path, cfg_factory):
 def test_too_few_samples_for_one_batch(cfg_factory):
     with pytest.raises(DataError, match="fewer than one global batch"):
         get_data_loader(cfg_factory(limit_nsamples=3), "train", 4, train=True)
+
+
+def test_make_data_regenerates_when_the_generator_changes(tmp_path):
+    """`make data` (and so `make train`) rebuilds demo data older than its generator."""
+    (tmp_path / "stats").mkdir()
+    (tmp_path / "stats" / "global_stds.npy").touch()  # newer than every file of the repository
+
+    def dry_run(*extra):
+        return subprocess.run(["make", "-n", *extra, f"DATA={tmp_path}", "data"], cwd=REPO,
+                              capture_output=True, text=True, check=True).stdout
+
+    assert "make_synthetic_era5.py" not in dry_run()
+    for changed in ("scripts/make_synthetic_era5.py", "utils/era5.py"):
+        assert "make_synthetic_era5.py" in dry_run("-W", changed), changed
