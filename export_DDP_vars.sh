@@ -7,6 +7,8 @@ export WORLD_SIZE=${SLURM_NTASKS:-1}
 per_node=${SLURM_TASKS_PER_NODE:-$WORLD_SIZE}   # "4(x2)" or "4,3": the first node's count
 per_node=${per_node%%[(,]*}
 export LOCAL_WORLD_SIZE=$per_node
-export MASTER_ADDR=${MASTER_ADDR:-$(hostname)}
+# every task must name the same master: the job's first node, not its own host
+export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname)}" 2>/dev/null | head -n 1)}
+export MASTER_ADDR=${MASTER_ADDR:-$(hostname)}   # no scontrol: a single node
 export MASTER_PORT=${MASTER_PORT:-29500}
 unset per_node

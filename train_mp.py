@@ -58,6 +58,9 @@ def mp_run_dir(cfg: Config, config_name: str, run_num: str, tp: int, cp: int, dp
 def setup(args: argparse.Namespace, cfg: Config, ctx: RunContext) -> RunContext:
     """Create the communicator groups; data parallelism is whatever tp x cp leaves."""
     tp, cp = cfg.tensor_parallel, cfg.context_parallel
+    if cfg.amp_mode == "fp16" and tp > 1:  # each rank's GradScaler decides alone to skip a step
+        raise ValueError("amp_mode fp16 does not work with tensor_parallel > 1 (the ranks' loss "
+                         "scalers would skip different steps); use --amp_mode bf16")
     gh, gw = cfg.img_size[0] // cfg.patch_size, cfg.img_size[1] // cfg.patch_size
     check_model(tp, cp, cfg.embed_dim, cfg.num_heads, int(cfg.embed_dim * cfg.mlp_ratio), gh * gw)
     comm = init_comm(tp, cp, cfg.parallel_order)

@@ -54,10 +54,12 @@ def tag_model(model: nn.Module, comm: Comm) -> None:
 
 
 def take_shard(full: torch.Tensor, p_spec: ParamSpec, comm: Comm) -> torch.Tensor:
-    """This rank's slice of a full (serial) tensor."""
+    """This rank's slice of a full (serial) tensor, as a tensor of its own: a view would keep
+    the whole tensor alive (Adam's moments loaded from a checkpoint would stay full size)."""
     if p_spec.shard_dim is None or comm.tp_size == 1:
         return full
-    return full.chunk(comm.tp_size, dim=p_spec.shard_dim)[comm.tp_rank]
+    return full.chunk(comm.tp_size, dim=p_spec.shard_dim)[comm.tp_rank].clone(
+        memory_format=torch.contiguous_format)
 
 
 def gather_full(t: torch.Tensor, p_spec: ParamSpec, comm: Comm) -> torch.Tensor:
@@ -78,7 +80,7 @@ def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], comm: Comm
         raise ValueError(f"checkpoint does not fit this model (missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}); was it written for another model size?")
     for name, p in own.items():
-        shard = take_shard(state[name].to(p.device), spec(p), comm)
+        shard = take_shard(state[name], spec(p), comm).to(p.device)
         if shard.shape != p.shape:
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(state[name].shape)}, which "
                              f"does not fit this model; was it written for another model size?")

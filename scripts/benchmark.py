@@ -35,7 +35,7 @@ import platform
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -294,6 +294,10 @@ def trainer_class(name: str) -> type[Trainer]:
 
 def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
              peaks: dict[str, float], loader_cache: dict) -> dict[str, Any]:
+    if name == "+graphs":  # its eager warm-up steps, then the capture, come before the timed steps
+        from train_graph import EAGER_WARMUP_STEPS
+
+        opts = replace(opts, warmup=max(opts.warmup, EAGER_WARMUP_STEPS + 1))
     total = opts.warmup + opts.steps + opts.profile_steps
     cfg = with_overrides(cfg, num_iters=total, warmup=0, checkpoint_every=0)
     reset_peak_memory(opts.device)
@@ -441,12 +445,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = [n.strip() for n in args.rungs.split(",") if n.strip()]
     unknown = set(names) - set(RUNG_NAMES)
     if unknown:
-        raise SystemExit(f"unknown rung(s) {', '.join(sorted(unknown))}; choose from {', '.join(RUNG_NAMES)}")
-    if min(args.steps, args.warmup + 1, args.profile_steps, args.loader_batches) < 1:
-        raise SystemExit("--steps, --profile_steps and --loader_batches must be at least 1")
-    base = load_config(args.yaml_config, args.config)
-    if args.data_dir:
-        base = with_overrides(base, data_dir=args.data_dir)
+        raise SystemExit(f"error: unknown rung(s) {', '.join(sorted(unknown))}; "
+                         f"choose from {', '.join(RUNG_NAMES)}")
+    if min(args.steps, args.profile_steps, args.loader_batches) < 1:
+        raise SystemExit("error: --steps, --profile_steps and --loader_batches must be at least 1")
+    if min(args.warmup, args.workers) < 0 or args.matmul_size < 2:
+        raise SystemExit("error: --warmup and --workers must be at least 0, --matmul_size at least 2")
+    if "+graphs" in names and args.amp == "fp16" and dev.cuda_available():
+        raise SystemExit("error: the +graphs rung needs --amp bf16 (train_graph.py cannot capture "
+                         "fp16's GradScaler); drop +graphs from --rungs or use --amp bf16")
+    try:
+        base = load_config(args.yaml_config, args.config)
+        if args.data_dir:
+            base = with_overrides(base, data_dir=args.data_dir)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     batch = base.global_batch_size
     total = args.warmup + args.steps + args.profile_steps
     ensure_data(base, max(256, (total + args.loader_batches + 2) * batch))
@@ -458,6 +471,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     flops = flops_per_sample(base, batch, device)
     peaks = {mode: matmul_peak(device, DTYPES[mode], args.matmul_size) for mode in ("none", args.amp)}
     rungs, loader_cache = [], {}
+    if "+graphs" in names and device.type != "cuda":
+        print("skipping +graphs: CUDA Graphs need a GPU", file=sys.stderr)
     for name, cfg in rung_configs(base, names, args.workers, args.amp, device.type == "cuda"):
         print(f"rung {name} ...", file=sys.stderr, flush=True)
         rungs.append(run_rung(name, cfg, opts, batch, flops, peaks, loader_cache))

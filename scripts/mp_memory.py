@@ -26,7 +26,8 @@ from networks.vit import build_vit  # noqa: E402
 from utils import device as dev  # noqa: E402
 from utils.comm import init_comm  # noqa: E402
 from utils.config import DEFAULT_YAML, load_config, with_overrides  # noqa: E402
-from utils.distributed import init_distributed, parse_env, shutdown  # noqa: E402
+from utils.distributed import init_distributed, parse_env  # noqa: E402
+from utils.launch import exit_now  # noqa: E402
 
 MIB = 2**20
 
@@ -84,8 +85,9 @@ def main() -> None:
     if peak is not None:
         report["allocator_peak_MiB"] = peak / MIB
     if env.rank == 0:
-        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in report.items()}))
-    shutdown()
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in report.items()}),
+              flush=True)
+    exit_now(0)  # not destroy_process_group: with DDP alive, gloo can deadlock on it
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from utils.config import DEFAULT_YAML, load_config
 from utils.data_loader import ERA5Dataset, ShardedSampler, get_data_loader
 from utils.distributed import first_host, parse_env
 from utils.preemption import EXIT_STOPPED
-from utils.trainer import local_batch_size
 
 pytestmark = pytest.mark.xdist_group("ddp")  # with make test's -n 2: the module fixtures run once
 
@@ -124,15 +123,6 @@ def test_samplers_shard_disjointly_and_cover(cfg_factory):
         expected = torch.stack([dataset[i][0] for i in sampler.epoch_order()])
         torch.testing.assert_close(inputs, expected, rtol=0, atol=0)
     assert not set(loaders[0][2].epoch_order()) & set(loaders[1][2].epoch_order())
-
-
-def test_local_batch_must_divide():
-    assert local_batch_size(16, 4) == 4
-    assert local_batch_size(16, 3, override=5) == 5
-    with pytest.raises(ValueError, match="not divisible by the 3 data-parallel ranks"):
-        local_batch_size(16, 3)
-    with pytest.raises(ValueError, match="at least 1"):
-        local_batch_size(16, 2, override=0)
 
 
 @pytest.mark.timeout(150)

@@ -218,3 +218,32 @@ def test_benchmark_counts_cpu_attention_flops(cfg_factory):
     # 2.5 x that (torch's formula recomputes the scores)
     attention = 3.5 * 2 * 2 * 4 * 32**2 * 8 * cfg.depth
     assert counted - plain.get_total_flops() / BATCH == attention
+
+
+def test_dali_missing_is_one_clean_error(cfg_factory, monkeypatch):
+    """Without DALI installed: the install hint as a DataError, and no traceback from the
+    half-built loader's clean-up afterwards."""
+    import gc
+
+    from utils.data_loader import DataError
+    from utils.data_loader_dali import DALIBatches
+
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # `import nvidia.dali` raises ImportError
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(DataError, match="pip install .*nvidia-dali-cuda120"):
+        DALIBatches(cfg_factory(data_loader_config="dali"), "train", 4, train=True)
+    gc.collect()
+    assert not unraisable, [u.exc_value for u in unraisable]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "smal"], "error: unknown config 'smal'"),
+    (["--matmul_size", "1"], "error: --warmup and --workers must be at least 0, --matmul_size at least 2"),
+    (["--rungs", "+turbo"], r"error: unknown rung\(s\) \+turbo"),
+])
+def test_benchmark_bad_options_are_one_line_errors(argv, message):
+    from scripts.benchmark import main as benchmark_main
+
+    with pytest.raises(SystemExit, match=message):
+        benchmark_main(argv)

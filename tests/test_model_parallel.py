@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from distributed import mappings as M
-from distributed.helpers import full_state, load_full_state, wrap_for_training
+from distributed.helpers import ParamSpec, full_state, load_full_state, take_shard, wrap_for_training
 from networks.vit import ViT
 from tests.dist_spawn import run_ranks
-from utils.comm import check_model, check_sizes, group_layouts, init_comm
+from utils.comm import Comm, check_model, check_sizes, group_layouts, init_comm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -257,3 +257,14 @@ def test_config_rejects_a_bad_parallel_order(cfg_factory):
     assert cfg_factory(parallel_order="dp-cp-tp").parallel_order == "dp-cp-tp"
     with pytest.raises(ValueError, match="'parallel_order' is 'tp-dp'"):
         cfg_factory(parallel_order="tp-dp")
+
+
+@pytest.mark.parametrize("shard_dim", [0, 1])
+def test_a_shard_owns_its_memory(shard_dim):
+    """Loading a consolidated checkpoint must not leave every rank holding the whole tensor
+    (a chunk is a view of it; Adam's moments would keep all of them alive)."""
+    full = torch.arange(24.0).reshape(4, 6)
+    shard = take_shard(full, ParamSpec(shard_dim), Comm(tp_size=2, rank=1, members={"tp": [0, 1]}))
+    assert torch.equal(shard, full.chunk(2, dim=shard_dim)[1])
+    assert shard.is_contiguous()
+    assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()

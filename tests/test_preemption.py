@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -80,3 +81,17 @@ def test_a_second_signal_kills_as_usual():
                             capture_output=True, text=True, timeout=50)
     assert result.stdout.split() == ["survived"], result.stderr
     assert result.returncode == -signal.SIGTERM
+
+
+def test_loader_workers_survive_a_stop_signal(cfg_factory, handlers):
+    """Slurm signals every process of the job: a SIGTERM reaching the DataLoader's workers
+    must not break the loader, so that the training process can still checkpoint."""
+    from utils.data_loader import get_data_loader
+
+    loader, _, _ = get_data_loader(cfg_factory(num_data_workers=1), "train", 4, train=True)
+    batches = iter(loader)
+    next(batches)  # the worker is running
+    for worker in batches._workers:
+        os.kill(worker.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert sum(1 for _ in batches) > 0  # without ignore_in_worker: "DataLoader worker exited unexpectedly"

@@ -163,3 +163,9 @@ def test_flags_and_layout_errors(cfg_factory, tmp_path, capsys):
     assert code == 2
     assert err[-1].startswith("error: world size 1 is not divisible by tensor_parallel x context_parallel")
     assert not (tmp_path / "logs").exists()  # nothing written for a run that cannot start
+    code = main(ModelParallelTrainer, argv + ["--amp_mode", "fp16"], parser=build_parser(),
+                extra_flags=MP_FLAGS, setup=setup)
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: amp_mode fp16 does not work with tensor_parallel > 1 (the ranks' loss scalers "
+        "would skip different steps); use --amp_mode bf16")

@@ -150,6 +150,8 @@ def test_local_batch_size():
     assert local_batch_size(16, 3, override=5) == 5
     with pytest.raises(ValueError, match="not divisible by the 3 data-parallel ranks"):
         local_batch_size(16, 3)
+    with pytest.raises(ValueError, match="at least 1"):
+        local_batch_size(16, 2, override=0)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -157,6 +159,8 @@ def test_local_batch_size():
     (["--config", "tiny", "--data_dir", "/nonexistent/era5"],
      "error: data directory /nonexistent/era5 does not exist; generate synthetic data with `make data`"),
     (["--config", "tiny", "--num_iters", "0"], "error: config key 'num_iters' must be at least 1"),
+    (["--config", "mp_short"], "error: config 'mp_short' sets tensor_parallel=4, context_parallel=1: "
+                               "model parallel runs use train_mp.py"),
 ])
 def test_cli_errors_are_one_line(args, message, tmp_path):
     result = run_train(*args, "--expdir", str(tmp_path), timeout=60)

@@ -14,7 +14,6 @@ DALI is imported only when this loader is used, so everything else works without
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import numpy as np
@@ -96,8 +95,7 @@ class DALIBatches:
         self.workers = cfg.num_data_workers
         self.num_threads = num_threads or max(1, torch.get_num_threads())
         self.shuffle, self.drop_last = train, train
-        n = len(self.sampler.epoch_order())
-        self.batches_per_epoch = n // local_batch_size if self.drop_last else math.ceil(n / local_batch_size)
+        self.batches_per_epoch = self.sampler.batches_per_epoch()
         n_out = cfg.n_out_channels
         self.means, self.stds = self.dataset.means, self.dataset.stds  # (C, 1, 1) float32
         self.out_means = np.ascontiguousarray(self.means[:n_out])
@@ -132,7 +130,7 @@ class DALIBatches:
                                           parallel=parallel, dtype=types.FLOAT)
             if on_gpu:
                 inp, tar = inp.gpu(), tar.gpu()
-            # (C, H, W) - (C, 1, 1) broadcasts per channel, exactly as ERA5Dataset.normalise
+            # (C, H, W) - (C, 1, 1) broadcasts per channel, exactly as ERA5Dataset.__getitem__
             return (inp - self.means) / self.stds, (tar - self.out_means) / self.out_stds
 
         self.pipe = pipeline()
@@ -165,7 +163,7 @@ class DALIBatches:
 
     def close(self) -> None:
         """Stop the pipeline and its worker processes."""
-        if self.pipe is not None:
+        if getattr(self, "pipe", None) is not None:  # __init__ may have failed before it
             del self.pipe
             self.pipe = None
             self._ready_for = None

@@ -106,11 +106,6 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 300.
     log.info("process group: %s, world size %d", dev.backend_for(device), env.world_size)
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum over the ranks of ``group`` in place (a no-op without a process group)."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:

@@ -128,6 +128,10 @@ def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description:
     setup_logging(env.rank)
     try:
         cfg = resolve_config(args, extra_flags)
+        if setup is None and cfg.tensor_parallel * cfg.context_parallel > 1:
+            raise ValueError(f"config {args.config!r} sets tensor_parallel={cfg.tensor_parallel}, "
+                             f"context_parallel={cfg.context_parallel}: model parallel runs use "
+                             f"train_mp.py")
         run_dir = run_dir_for(cfg, args.config, args.run_num, env.world_size)
         dev.set_cpu_threads(env.local_world_size)
         ctx = make_context(args, cfg, env, run_dir)
@@ -147,38 +151,34 @@ def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description:
         # ranks' identical messages would interleave on a shared stderr
         sys.stderr.write(f"error: {err}\n")
         sys.stderr.flush()
-        return abort(2)
+        return exit_now(2)
     preemption.install_handlers()
     try:
         trainer.fit()
     except TrainingError as err:
         log.error("rank %d: %s", env.rank, err)
-        return abort(1)
+        return exit_now(1)
     except Exception:
         log.error("rank %d failed:\n%s", env.rank, traceback.format_exc())
-        return abort(1)
+        return exit_now(1)
     if trainer.stopped_early:  # every rank waits until rank 0 has written the checkpoint
         if dist.is_initialized():
             dist.barrier()
-        return leave(preemption.EXIT_STOPPED)
+        return exit_now(preemption.EXIT_STOPPED)
     if ctx.is_main:
         log.info("TensorBoard logs are in %s; view them with: tensorboard --logdir %s",
                  run_dir, cfg.exp_path)
-    return leave(0)
+    return exit_now(0)
 
 
-def leave(code: int) -> int:
-    """End a run whose files are all written. A distributed run skips the interpreter's
-    clean-up: there, freeing DDP's gloo process group can deadlock (its worker thread
-    waits for the GIL to free a finished collective's tensors while the main thread,
-    holding the GIL, waits to join it; seen with torch 2.13 right after a barrier), and
-    so can destroy_process_group. The operating system closes the connections instead."""
-    return abort(code)
-
-
-def abort(code: int) -> int:
-    """Leave at once when other ranks may be waiting in a collective: joining them would
-    hang, and the launcher (torchrun, srun --kill-on-bad-exit) stops them when we exit."""
+def exit_now(code: int) -> int:
+    """End the process at once when it is one rank of several, skipping the interpreter's
+    clean-up. After an error other ranks may be waiting in a collective: joining them would
+    hang, and the launcher (torchrun, srun --kill-on-bad-exit) stops them when we exit. After
+    success, freeing DDP's gloo process group can deadlock (its worker thread waits for the
+    GIL to free a finished collective's tensors while the main thread, holding the GIL, waits
+    to join it; seen with torch 2.13 right after a barrier), and so can
+    destroy_process_group. The operating system closes the connections instead."""
     if dist.is_initialized():
         logging.shutdown()
         sys.stdout.flush()

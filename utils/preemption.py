@@ -1,24 +1,25 @@
 """Stop cleanly on SIGTERM or an early-warning signal, checkpoint, optionally requeue.
 
 Slurm sends SIGTERM at the time limit (and on preemption or ``scancel``), then SIGKILL
-``KillWait`` seconds later; ``#SBATCH --signal=USR1@120`` adds a warning 120 s before the
+``KillWait`` seconds later; ``#SBATCH --signal=USR1@90`` adds a warning 90 s before the
 limit. torchrun forwards a SIGTERM it receives to its workers and waits 30 s before
 SIGKILL. Training has that long to write a checkpoint.
 
 Three parts:
 
 * :func:`install_handlers` makes TERM, USR1 and USR2 set a flag instead of killing the
-  process. DataLoader workers are forked after this and inherit the
-  handlers, so a signal sent to the whole process tree does not kill them. A second
+  process; DataLoader workers ignore them (:func:`ignore_in_worker`), so a signal sent to
+  every process of the job does not kill them. A second
   stop signal of any kind kills the process as by default (srun --kill-on-bad-exit,
   torchrun and Slurm's time limit then end a rank that no longer responds).
 * :class:`StopAgreement` turns the per-process flag into a decision every rank shares.
   A signal may reach only some ranks, or reach them at different steps; if each rank
   stopped on its own, the others would wait forever in their next collective. Every
   ``check_every`` steps each rank contributes its flag to an all-reduce (MAX) over all
-  ranks, and the result is read one step later, so the host never waits for the GPU
-  to drain: the reduction of a single number finishes while the next step's work is
-  queued. Every rank reads the same result at the same step, so all stop together.
+  ranks, and the result is read one step later, so the reduction itself is never
+  waited for (reading it on a GPU still waits for the step queued meanwhile: one short
+  bubble every ``check_every`` steps). Every rank reads the same result at the same
+  step, so all stop together.
 * After the checkpoint, the process exits with :data:`EXIT_STOPPED` (75, EX_TEMPFAIL of
   sysexits.h: "try again"). The submit scripts requeue the job on that status when
   ``REQUEUE=1``; re-running the same command finds checkpoint.pt and resumes.
@@ -48,6 +49,14 @@ def _handler(signum: int, frame) -> None:
         os.kill(os.getpid(), signum)
         return
     _received = signum
+
+
+def ignore_in_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: stop signals are the training process's business. Slurm
+    signals every process of the step, and torch's worker handler would end a worker on
+    SIGTERM, which fails the loader before the checkpoint can be written."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def install_handlers(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:

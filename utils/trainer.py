@@ -109,8 +109,7 @@ class Batches:
 
     def __init__(self, loader, sampler) -> None:
         self.loader, self.sampler = loader, sampler
-        self.batches_per_epoch = len(sampler.epoch_order()) // loader.batch_size if loader.drop_last \
-            else math.ceil(len(sampler.epoch_order()) / loader.batch_size)
+        self.batches_per_epoch = sampler.batches_per_epoch()
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.sampler.set_epoch(epoch, start_batch)
