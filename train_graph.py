@@ -3,83 +3,16 @@
 
     python train_graph.py --config short --amp_mode bf16 --enable_fused
 
-Launching hundreds of small kernels one by one costs CPU time per step; a CUDA graph
-records the launches of one whole step (forward, loss, backward, Adam) once and then
-replays them with a single call. What changes against train.py, all in GraphTrainer:
-
-* Adam keeps its step count and learning rate on the GPU (``capturable=True``, the
-  learning rate a tensor the scheduler writes into between replays), because a graph
-  replays fixed kernels with fixed arguments: no Python value may change inside it.
-* The first steps run eagerly on a side stream (warm-up: lazy initialisation, cuDNN/cuBLAS
-  autotuning, DDP's buffers), then one step is captured and every step, that one
-  included, is a replay with the batch copied into static input buffers.
-* fp16 is refused: its GradScaler checks the gradients for inf on the host, which
-  cannot be captured. bf16 needs no scaler.
-
+What changes against train.py is all in training/graphs.py (GraphTrainer): Adam with
+its state on the GPU, eager warm-up on a side stream, one captured step replayed.
 Flags are train.py's. Without CUDA the script exits with a one-line message.
 """
 
-from __future__ import annotations
-
 import sys
 
-import torch
-from torch.nn.parallel import DistributedDataParallel
-
+from training.graphs import GraphTrainer
+from training.launcher import main
 from utils import device as dev
-from utils.config import Config
-from utils.launch import main
-from utils.trainer import RunContext, Trainer
-
-EAGER_WARMUP_STEPS = 3
-DDP_WARMUP_STEPS = 11  # PyTorch's CUDA graph notes: at least 11 eager DDP iterations before capture
-
-
-class GraphTrainer(Trainer):
-    autocast_cache = False  # cached casts would be freed with the capture's memory pool
-
-    def __init__(self, cfg: Config, ctx: RunContext, local_batch: int) -> None:
-        if cfg.amp_mode == "fp16":
-            raise ValueError("train_graph.py supports amp_mode none or bf16: fp16's GradScaler "
-                             "checks for inf on the host, which a CUDA graph cannot capture")
-        super().__init__(cfg, ctx, local_batch)
-        ddp = isinstance(self.model, DistributedDataParallel)
-        self.warmup_steps = DDP_WARMUP_STEPS if ddp else EAGER_WARMUP_STEPS
-        self.eager_steps = 0
-        self.graph = None
-        self.static_inp = self.static_tar = self.static_loss = None
-
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        lr = torch.tensor(self.cfg.lr, device=self.device)  # the scheduler fills it in place
-        return torch.optim.Adam(self.model.parameters(), lr=lr, betas=(0.9, 0.95),
-                                fused=self.cfg.enable_fused or None, capturable=True)
-
-    def capture(self, inp: torch.Tensor, tar: torch.Tensor) -> None:
-        """Record one step on static buffers; gradients are allocated inside the graph."""
-        self.static_inp, self.static_tar = inp.clone(), tar.clone()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.graph = dev.new_cuda_graph()
-        with dev.graph_capture(self.graph):
-            loss = self.forward_loss(self.static_inp, self.static_tar)
-            loss.backward()
-            self.optimizer.step()
-        self.static_loss = loss.detach()
-
-    def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        if self.graph is None and self.eager_steps < self.warmup_steps:
-            with dev.side_stream(self.device):
-                loss = super().train_step(inp, tar)
-            self.eager_steps += 1
-            return loss
-        if self.graph is None:
-            self.capture(inp, tar)  # records only: the replay below runs this step
-        with dev.nvtx_range("graph replay"):
-            self.static_inp.copy_(inp)
-            self.static_tar.copy_(tar)
-            self.graph.replay()
-        self.scheduler.step()
-        return self.static_loss.clone()  # the next replay overwrites static_loss
-
 
 if __name__ == "__main__":
     dev.require_cuda("CUDA Graphs")

@@ -1,4 +1,4 @@
-"""Tensor- and context-parallel layers of the ViT.
+"""Tensor- and context-parallel layers of the ViT, each made from its serial counterpart.
 
 Tensor parallel (tp), after Megatron-LM: a block's first linear layers are split by
 output features (column parallel: q, k, v, fc1), its last by input features (row
@@ -11,8 +11,10 @@ Context parallel (cp): each rank holds a contiguous slice of the tokens. Everyth
 attention is per token; attention gathers keys and values from every rank
 (gather_sequence), so each rank's queries attend to the whole sequence.
 
-Layer norms, the patch embedding and the head stay whole on every rank (replicated).
-Parameter tags (distributed/helpers.py) record which is which.
+Every layer here is made ``from_serial``: it keeps this rank's shard of the serial
+layer's weights (a copy of its own), so the parallel model starts from exactly the serial
+model's weights whatever the layout. Layer norms, the patch embedding and the head stay
+whole on every rank (replicated). Parameter tags (distributed/tags.py) record which is which.
 """
 
 from __future__ import annotations
@@ -21,9 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distributed.helpers import tag
 from distributed.mappings import copy_to, gather_from, gather_sequence, reduce_from, split_sizes
-from utils.comm import Comm
+from distributed.mesh import ParallelMesh
+from distributed.tags import tag
+from networks.vit import MLP, Attention
+
+
+def _shard(t: torch.Tensor, dim: int, mesh: ParallelMesh) -> nn.Parameter:
+    """This tp rank's contiguous slice of ``t`` along ``dim``, in memory of its own."""
+    part = t.detach().chunk(mesh.size("tp"), dim=dim)[mesh.rank_in("tp")]
+    return nn.Parameter(part.clone(memory_format=torch.contiguous_format))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -33,41 +42,39 @@ class ColumnParallelLinear(nn.Module):
     copy_to between q, k and v so that backward does one all-reduce, not three).
     """
 
-    def __init__(self, in_features: int, out_features: int, comm: Comm, copy_input: bool = True) -> None:
+    def __init__(self, serial: nn.Linear, mesh: ParallelMesh, copy_input: bool = True) -> None:
         super().__init__()
-        self.comm, self.copy_input = comm, copy_input
-        local = out_features // comm.tp_size
-        self.weight = tag(nn.Parameter(torch.empty(local, in_features)), shard_dim=0)
-        self.bias = tag(nn.Parameter(torch.empty(local)), shard_dim=0)
+        self.group, self.copy_input = mesh.group("tp"), copy_input
+        self.weight = tag(_shard(serial.weight, 0, mesh), shard_dim=0)
+        self.bias = tag(_shard(serial.bias, 0, mesh), shard_dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
-            x = copy_to(x, self.comm.tp_group)
+            x = copy_to(x, self.group)
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """y = sum over tp of x[my inputs] W[:, my inputs].T, then + b (bias replicated, added once)."""
 
-    def __init__(self, in_features: int, out_features: int, comm: Comm) -> None:
+    def __init__(self, serial: nn.Linear, mesh: ParallelMesh) -> None:
         super().__init__()
-        self.comm = comm
-        local = in_features // comm.tp_size
-        self.weight = tag(nn.Parameter(torch.empty(out_features, local)), shard_dim=1)
-        self.bias = tag(nn.Parameter(torch.empty(out_features)), shard_dim=None)
+        self.group = mesh.group("tp")
+        self.weight = tag(_shard(serial.weight, 1, mesh), shard_dim=1)
+        self.bias = tag(nn.Parameter(serial.bias.detach().clone()), shard_dim=None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from(F.linear(x, self.weight), self.comm.tp_group) + self.bias
+        return reduce_from(F.linear(x, self.weight), self.group) + self.bias
 
 
 class DistributedMLP(nn.Module):
     """fc1 column parallel, GELU on this rank's hidden features, fc2 row parallel."""
 
-    def __init__(self, dim: int, hidden: int, comm: Comm, dropout: float = 0.0) -> None:
+    def __init__(self, serial: MLP, mesh: ParallelMesh) -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear(dim, hidden, comm)
-        self.fc2 = RowParallelLinear(hidden, dim, comm)
-        self.drop = nn.Dropout(dropout)
+        self.fc1 = ColumnParallelLinear(serial.fc1, mesh)
+        self.fc2 = RowParallelLinear(serial.fc2, mesh)
+        self.drop = nn.Dropout(serial.drop.p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.fc2(self.drop(F.gelu(self.fc1(x)))))
@@ -79,28 +86,28 @@ class DistributedAttention(nn.Module):
     Shapes on one rank: x (B, n, D) with n = its tokens -> q, k, v (B, n, D / tp) ->
     k, v gathered over cp to (B, N, D / tp) -> heads (B, H / tp, ., head_dim) ->
     attention (B, H / tp, n, head_dim) -> (B, n, D / tp) -> proj, summed over tp: (B, n, D).
+    The serial q, k, v outputs are head-major, so a contiguous slice is a set of whole heads.
     """
 
-    def __init__(self, dim: int, num_heads: int, comm: Comm, seq_sizes: list[int],
-                 dropout: float = 0.0) -> None:
+    def __init__(self, serial: Attention, mesh: ParallelMesh, seq_sizes: list[int]) -> None:
         super().__init__()
-        self.comm, self.seq_sizes = comm, seq_sizes
-        self.head_dim = dim // num_heads
-        self.q = ColumnParallelLinear(dim, dim, comm, copy_input=False)
-        self.k = ColumnParallelLinear(dim, dim, comm, copy_input=False)
-        self.v = ColumnParallelLinear(dim, dim, comm, copy_input=False)
-        self.proj = RowParallelLinear(dim, dim, comm)
-        self.dropout = dropout
+        self.tp_group, self.cp_group, self.seq_sizes = mesh.group("tp"), mesh.group("cp"), seq_sizes
+        self.head_dim = serial.head_dim
+        self.q = ColumnParallelLinear(serial.q, mesh, copy_input=False)
+        self.k = ColumnParallelLinear(serial.k, mesh, copy_input=False)
+        self.v = ColumnParallelLinear(serial.v, mesh, copy_input=False)
+        self.proj = RowParallelLinear(serial.proj, mesh)
+        self.dropout = serial.dropout
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape  # (B, n, heads * head_dim) -> (B, heads, n, head_dim)
         return x.view(b, n, -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to(x, self.comm.tp_group)
+        x = copy_to(x, self.tp_group)
         q = self.q(x)
-        k = gather_sequence(self.k(x), 1, self.comm.cp_group, self.seq_sizes)
-        v = gather_sequence(self.v(x), 1, self.comm.cp_group, self.seq_sizes)
+        k = gather_sequence(self.k(x), 1, self.cp_group, self.seq_sizes)
+        v = gather_sequence(self.v(x), 1, self.cp_group, self.seq_sizes)
         q, k, v = (self._split_heads(t) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
@@ -109,23 +116,32 @@ class DistributedAttention(nn.Module):
 
 
 class SequenceSplit(nn.Module):
-    """Context parallel entry and exit: this rank's contiguous slice of the N tokens.
+    """Context parallel entry: this rank's contiguous slice of the N tokens, (B, N, D) -> (B, n, D).
 
-    ``local`` is a plain slice (backward: zeros for the other ranks' tokens), so every
-    gradient before it is this rank's partial sum, summed over cp like all others.
-    ``gather`` all-gathers the per-token outputs; backward keeps this rank's slice.
+    A plain slice (backward: zeros for the other ranks' tokens), so every gradient before
+    it is this rank's partial sum, summed over cp like all others.
     """
 
-    def __init__(self, num_tokens: int, comm: Comm) -> None:
+    def __init__(self, sizes: list[int], mesh: ParallelMesh) -> None:
         super().__init__()
-        self.comm = comm
-        self.sizes = split_sizes(num_tokens, comm.cp_size)
-        self.start = sum(self.sizes[: comm.cp_rank])
+        self.size = sizes[mesh.rank_in("cp")]
+        self.start = sum(sizes[: mesh.rank_in("cp")])
 
-    def local(self, x: torch.Tensor) -> torch.Tensor:
-        if self.comm.cp_size == 1:
-            return x
-        return x[:, self.start : self.start + self.sizes[self.comm.cp_rank]]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, self.start : self.start + self.size]
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_from(x, 1, self.comm.cp_group, self.sizes)
+
+class SequenceGather(nn.Module):
+    """Context parallel exit: all-gather the per-token outputs, (B, n, F) -> (B, N, F), so every
+    rank gets the whole prediction for the loss. Backward keeps this rank's slice."""
+
+    def __init__(self, sizes: list[int], mesh: ParallelMesh) -> None:
+        super().__init__()
+        self.sizes, self.group = sizes, mesh.group("cp")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_from(x, 1, self.group, self.sizes)
+
+
+def sequence_sizes(num_tokens: int, mesh: ParallelMesh) -> list[int]:
+    return split_sizes(num_tokens, mesh.size("cp"))

@@ -12,9 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distributed.helpers import load_full_state, tag_model
-from distributed.layers import DistributedAttention, DistributedMLP, SequenceSplit
-from utils.comm import Comm, check_model
 from utils.config import Config
 
 
@@ -74,22 +71,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    With a model-parallel ``comm``, attention and MLP are the distributed versions
-    (``seq_sizes``: tokens per context-parallel rank); the layer norms stay whole.
-    """
-
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, dropout: float,
-                 comm: Comm | None = None, seq_sizes: list[int] | None = None) -> None:
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, dropout: float) -> None:
         super().__init__()
-        hidden = int(dim * mlp_ratio)
-        serial = comm is None
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, num_heads, dropout) if serial \
-            else DistributedAttention(dim, num_heads, comm, seq_sizes, dropout)
+        self.attn = Attention(dim, num_heads, dropout)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = MLP(dim, hidden, dropout) if serial else DistributedMLP(dim, hidden, comm, dropout)
+        self.mlp = MLP(dim, int(dim * mlp_ratio), dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -97,11 +86,11 @@ class Block(nn.Module):
 
 
 class ViT(nn.Module):
-    """The serial model, or with a ``comm`` of tp x cp > 1 the tensor/context-parallel one.
-
-    Parallel parameters have the serial names; they are initialised by building the
-    serial model from the same seed and taking this rank's shards, so the weights (and the
-    random state afterwards) do not depend on the parallel layout.
+    """The serial model. Its parts are named so that they can be replaced, removed or wrapped
+    from outside (distributed/parallelize.py): ``blocks`` is a ModuleDict keyed "0", "1", ...
+    (a pipeline stage keeps only its own blocks, under their serial names), and the two
+    identity slots ``seq_split`` / ``seq_gather`` are where context parallelism splits the
+    tokens over ranks and gathers them back.
     """
 
     def __init__(
@@ -115,48 +104,28 @@ class ViT(nn.Module):
         num_heads: int,
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
-        comm: Comm | None = None,
     ) -> None:
         super().__init__()
         h, w = img_size
         if h % patch_size or w % patch_size:
             raise ValueError(f"img_size {h} x {w} is not divisible by patch_size {patch_size}")
-        self.comm = comm if comm is not None and comm.model_parallel else None
-        self._args = (img_size, patch_size, in_channels, out_channels, embed_dim, depth, num_heads,
-                      mlp_ratio, dropout)
         self.img_size = (h, w)
         self.patch_size = patch_size
         self.out_channels = out_channels
         self.grid = (h // patch_size, w // patch_size)
-        num_patches = self.grid[0] * self.grid[1]
-        if self.comm is None:
-            self._build(*self._args, num_patches)
-        else:
-            check_model(self.comm.tp_size, self.comm.cp_size, embed_dim, num_heads,
-                        int(embed_dim * mlp_ratio), num_patches)
-            with torch.random.fork_rng(devices=[]):  # building the shards draws no random numbers
-                self._build(*self._args, num_patches)
-            tag_model(self, self.comm)
-        self.reset_parameters()
-
-    def _build(self, img_size, patch_size, in_channels, out_channels, embed_dim, depth, num_heads,
-               mlp_ratio, dropout, num_patches) -> None:
-        comm = self.comm
-        self.seq = SequenceSplit(num_patches, comm) if comm is not None else None
-        seq_sizes = self.seq.sizes if self.seq is not None else None
+        self.num_tokens = self.grid[0] * self.grid[1]
         self.patch_embed = PatchEmbed(in_channels, embed_dim, patch_size)
-        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.num_tokens, embed_dim))
         self.pos_drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, dropout, comm, seq_sizes) for _ in range(depth)
-        )
+        self.seq_split = nn.Identity()
+        self.blocks = nn.ModuleDict(
+            {str(i): Block(embed_dim, num_heads, mlp_ratio, dropout) for i in range(depth)})
         self.norm = nn.LayerNorm(embed_dim)
         self.head = nn.Linear(embed_dim, out_channels * patch_size * patch_size)
+        self.seq_gather = nn.Identity()
+        self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.comm is not None:  # the serial model from the same seed, then our shards
-            load_full_state(self, ViT(*self._args).state_dict(), self.comm)
-            return
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         for m in self.modules():
             if isinstance(m, nn.Linear):
@@ -180,18 +149,15 @@ class ViT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pos_drop(self.patch_embed(x) + self.pos_embed)  # (B, N, D), every token
-        if self.seq is not None:
-            x = self.seq.local(x)  # context parallel: (B, n, D), this rank's tokens
-        for block in self.blocks:
+        x = self.seq_split(x)  # context parallel: (B, n, D), this rank's tokens
+        for block in self.blocks.values():
             x = block(x)
-        x = self.head(self.norm(x))
-        if self.seq is not None:
-            x = self.seq.gather(x)  # every rank gets the whole prediction, for the loss
+        x = self.seq_gather(self.head(self.norm(x)))  # every token again: (B, N, C * p * p)
         return self.unpatchify(x)
 
 
-def build_vit(cfg: Config, comm: Comm | None = None) -> ViT:
-    """The configured ViT; with a model-parallel ``comm`` this rank's part of it."""
+def build_vit(cfg: Config) -> ViT:
+    """The configured serial ViT (distributed/parallelize.py makes this rank's part of it)."""
     return ViT(
         img_size=cfg.img_size,
         patch_size=cfg.patch_size,
@@ -202,7 +168,6 @@ def build_vit(cfg: Config, comm: Comm | None = None) -> ViT:
         num_heads=cfg.num_heads,
         mlp_ratio=cfg.mlp_ratio,
         dropout=cfg.dropout,
-        comm=comm,
     )
 
 

@@ -46,10 +46,11 @@ from torch.utils import flop_counter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from networks.vit import build_vit  # noqa: E402
+from training.context import RunContext
+from training.trainer import Trainer  # noqa: E402
 from utils import device as dev  # noqa: E402
 from utils.config import DEFAULT_YAML, Config, load_config, with_overrides  # noqa: E402
 from utils.metrics import relative_l2_loss  # noqa: E402
-from utils.trainer import RunContext, Trainer  # noqa: E402
 
 # name -> settings added on top of the rung before
 RUNGS: list[tuple[str, dict[str, Any]]] = [
@@ -287,7 +288,7 @@ def rung_configs(base: Config, names: list[str], workers: int, amp: str,
 def trainer_class(name: str) -> type[Trainer]:
     if name != "+graphs":
         return Trainer
-    from train_graph import GraphTrainer
+    from training.graphs import GraphTrainer
 
     return GraphTrainer
 
@@ -295,7 +296,7 @@ def trainer_class(name: str) -> type[Trainer]:
 def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
              peaks: dict[str, float], loader_cache: dict) -> dict[str, Any]:
     if name == "+graphs":  # its eager warm-up steps, then the capture, come before the timed steps
-        from train_graph import EAGER_WARMUP_STEPS
+        from training.graphs import EAGER_WARMUP_STEPS
 
         opts = replace(opts, warmup=max(opts.warmup, EAGER_WARMUP_STEPS + 1))
     total = opts.warmup + opts.steps + opts.profile_steps

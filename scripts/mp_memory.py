@@ -21,13 +21,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from distributed.helpers import wrap_for_training  # noqa: E402
+from distributed.env import init_distributed, parse_env  # noqa: E402
+from distributed.mesh import build_mesh, requested_sizes  # noqa: E402
+from distributed.parallelize import parallelize  # noqa: E402
 from networks.vit import build_vit  # noqa: E402
+from training.launcher import exit_now  # noqa: E402
+from training.reporting import memory_report  # noqa: E402
 from utils import device as dev  # noqa: E402
-from utils.comm import init_comm  # noqa: E402
 from utils.config import DEFAULT_YAML, load_config, with_overrides  # noqa: E402
-from utils.distributed import init_distributed, parse_env  # noqa: E402
-from utils.launch import exit_now  # noqa: E402
 
 MIB = 2**20
 
@@ -60,9 +61,9 @@ def main() -> None:
     env = parse_env()
     device = dev.pick_device(env.local_rank)
     init_distributed(env, device)
-    comm = init_comm(cfg.tensor_parallel, cfg.context_parallel, cfg.parallel_order)
+    mesh = build_mesh(requested_sizes(cfg), cfg.parallel_order, device.type)
     torch.manual_seed(cfg.seed)
-    model = wrap_for_training(build_vit(cfg, comm).to(device), comm, device)
+    model = parallelize(build_vit(cfg), mesh, cfg, device)
     opt = torch.optim.Adam(model.parameters())
     x = torch.randn(args.local_batch_size, cfg.n_in_channels, *cfg.img_size, device=device)
     dev.reset_peak_memory(device)
@@ -71,19 +72,9 @@ def main() -> None:
         out.square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    params = list(model.parameters())
-    report = {
-        "config": args.config, "tp": comm.tp_size, "cp": comm.cp_size, "dp": comm.dp_size,
-        "local_batch": args.local_batch_size,
-        "parameters_MiB": sum(q.numel() * q.element_size() for q in params) / MIB,
-        "gradients_MiB": sum(q.numel() * q.element_size() for q in params) / MIB,
-        "optimizer_MiB": sum(v.numel() * v.element_size() for s in opt.state.values()
-                             for v in s.values() if torch.is_tensor(v)) / MIB,
-        "saved_activations_MiB": act / MIB,
-    }
-    peak = dev.peak_memory_bytes(device)
-    if peak is not None:
-        report["allocator_peak_MiB"] = peak / MIB
+    report = {"config": args.config, **{n: mesh.size(n) for n in mesh.sizes},
+              "local_batch": args.local_batch_size, **memory_report(model, opt, device),
+              "saved_activations_MiB": act / MIB}
     if env.rank == 0:
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in report.items()}),
               flush=True)

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from utils.launch import main  # noqa: E402
-from utils.trainer import Trainer  # noqa: E402
+from training.launcher import main  # noqa: E402
+from training.trainer import Trainer  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 

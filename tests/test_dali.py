@@ -87,7 +87,8 @@ def test_sharded_epoch_covers_the_set_disjointly(cfg_factory):
 
 
 def test_trainer_uses_dali_when_configured(cfg_factory, tmp_path):
-    from utils.trainer import RunContext, Trainer
+    from training.context import RunContext
+    from training.trainer import Trainer
 
     cfg = cfg_factory(data_loader_config="dali", num_iters=2)
     trainer = Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path / "run"), BATCH)

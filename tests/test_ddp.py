@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from distributed.env import first_host, parse_env
 from tests.conftest import REPO, subprocess_env
 from tests.ddp_helpers import metrics, run_dir, train_args, write_test_yaml
 from utils.checkpoint import CHECKPOINT_NAME
 from utils.config import DEFAULT_YAML, load_config
 from utils.data_loader import ERA5Dataset, ShardedSampler, get_data_loader
-from utils.distributed import first_host, parse_env
-from utils.preemption import EXIT_STOPPED
+from utils.signals import EXIT_STOPPED
 
 pytestmark = pytest.mark.xdist_group("ddp")  # with make test's -n 2: the module fixtures run once
 

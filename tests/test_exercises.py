@@ -10,8 +10,9 @@ import torch
 
 from networks.vit import ViT
 from tests.dist_spawn import run_ranks
+from training.context import RunContext
+from training.trainer import Trainer
 from utils.data_loader import ERA5Dataset
-from utils.trainer import RunContext, Trainer
 
 VARIANT = os.environ.get("EXERCISE_VARIANT", "solution")
 NAMES = ("sample_index", "amp_step", "allreduce_grads", "tp_mlp")

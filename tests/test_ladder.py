@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from tests.conftest import REPO, subprocess_env
+from training.context import RunContext
+from training.launcher import arg_parser, resolve_config
+from training.trainer import Trainer
 from utils import device as dev
-from utils.launch import arg_parser, resolve_config
 from utils.metrics import relative_l2_loss
 from utils.profiling import TRACE_DIR
-from utils.trainer import RunContext, Trainer
 
 BATCH = 4
 
@@ -101,14 +102,16 @@ def test_fused_adam_matches_unfused(cfg_factory, tmp_path):
 
 @pytest.mark.slow
 def test_compiled_model_and_loss_match_eager(cfg_factory, tmp_path):
-    trainer = make_trainer(cfg_factory(enable_jit=True, depth=1), tmp_path)  # compile time grows with depth
-    assert trainer.forward is not trainer.model
-    inp, tar = fixed_batches(1, trainer.cfg)[0]
+    eager = make_trainer(cfg_factory(depth=1), tmp_path / "eager")  # compile time grows with depth
+    compiled = make_trainer(cfg_factory(enable_jit=True, depth=1), tmp_path / "compiled")
+    assert all(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl is not None
+               for b in compiled.model.blocks.values())  # parallelize compiled each block in place
+    inp, tar = fixed_batches(1, compiled.cfg)[0]
     results = []
-    for forward, loss_fn in ((trainer.model, relative_l2_loss), (trainer.forward, trainer.loss_fn)):
+    for trainer in (eager, compiled):
         trainer.model.zero_grad(set_to_none=True)
-        pred = forward(inp)
-        loss = loss_fn(pred, tar)
+        pred = trainer.model(inp)
+        loss = trainer.loss_fn(pred, tar)
         loss.backward()
         results.append((pred.detach(), loss.detach(),
                         [p.grad.clone() for p in trainer.model.parameters()]))
@@ -158,7 +161,7 @@ def test_train_graph_without_cuda_exits_with_one_line(cfg_factory):
 @pytest.mark.parametrize("amp_mode", ["none", "bf16"])
 def test_graph_replay_matches_eager(cfg_factory, tmp_path, amp_mode):
     sys.path.insert(0, str(REPO))
-    from train_graph import EAGER_WARMUP_STEPS, GraphTrainer
+    from training.graphs import EAGER_WARMUP_STEPS, GraphTrainer
 
     cfg = cfg_factory(amp_mode=amp_mode, num_iters=10)
     batches = [(x.cuda(), y.cuda()) for x, y in fixed_batches(EAGER_WARMUP_STEPS + 5, cfg)]

@@ -12,38 +12,37 @@ import torch
 import torch.distributed as dist
 
 from distributed import mappings as M
-from distributed.helpers import ParamSpec, full_state, load_full_state, take_shard, wrap_for_training
+from distributed.consolidate import full_state, load_full_state, take_shard
+from distributed.mesh import ParallelMesh, build_mesh, check_model, check_sizes, group_layouts, parse_order
+from distributed.parallelize import apply_model_parallel
+from distributed.tags import ParamSpec, wrap_data_parallel
 from networks.vit import ViT
 from tests.dist_spawn import run_ranks
-from utils.comm import Comm, check_model, check_sizes, group_layouts, init_comm
 
 pytestmark = pytest.mark.timeout(120)
 
 
 # ------------------------------------------------------------------ group layouts ---
 def test_readme_example_8_ranks_tp4():
-    g = group_layouts(8, tp=4, cp=1)
-    assert g["tp-cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    g = group_layouts(8, {"tp": 4, "cp": 1})
     assert g["tp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert g["cp"] == [[r] for r in range(8)]
 
 
 def test_layouts_tp2_cp2_dp2_default_order():
-    g = group_layouts(8, tp=2, cp=2)
+    g = group_layouts(8, {"tp": 2, "cp": 2})
     assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert g["tp-cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_layouts_other_orders():
-    g = group_layouts(8, tp=2, cp=2, order="dp-tp-cp")  # dp fastest: data replicas adjacent
+    g = group_layouts(8, {"tp": 2, "cp": 2}, order="dp-tp-cp")  # dp fastest: data replicas adjacent
     assert g["dp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g["tp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert g["cp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert g["tp-cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    g = group_layouts(4, tp=2, cp=2, order="cp-tp-dp")
+    g = group_layouts(4, {"tp": 2, "cp": 2}, order="cp-tp-dp")
     assert g["cp"] == [[0, 1], [2, 3]]
     assert g["tp"] == [[0, 2], [1, 3]]
     assert g["dp"] == [[0], [1], [2], [3]]
@@ -51,35 +50,42 @@ def test_layouts_other_orders():
 
 def test_layouts_partition_every_rank_once():
     for world, tp, cp, order in [(12, 3, 2, "tp-cp-dp"), (12, 2, 3, "cp-dp-tp"), (6, 1, 6, "dp-cp-tp")]:
-        g = group_layouts(world, tp, cp, order)
-        for name, size in [("tp", tp), ("cp", cp), ("dp", world // (tp * cp)), ("tp-cp", tp * cp)]:
+        g = group_layouts(world, {"tp": tp, "cp": cp}, order)
+        for name, size in [("tp", tp), ("cp", cp), ("dp", world // (tp * cp))]:
             assert sorted(r for grp in g[name] for r in grp) == list(range(world))
             assert all(len(grp) == size for grp in g[name])
         # a tp group and a dp group meet in exactly one rank (orthogonal)
         assert all(len(set(a) & set(b)) <= 1 for a in g["tp"] for b in g["dp"])
 
 
-def test_single_process_comm():
-    comm = init_comm(1, 1)
-    assert (comm.tp_size, comm.cp_size, comm.dp_size, comm.tp_rank, comm.dp_group) == (1, 1, 1, 0, None)
-    assert not comm.model_parallel
+def test_single_process_mesh():
+    mesh = build_mesh({"tp": 1, "cp": 1})
+    assert mesh.sizes == {"tp": 1, "cp": 1, "dp": 1}
+    assert (mesh.dp_size, mesh.rank_in("tp"), mesh.dp_group, mesh.device_mesh) == (1, 0, None, None)
+    assert not mesh.model_parallel
+
+
+def test_order_may_leave_out_dimensions_and_sizes_follow_it():
+    assert parse_order("dp") == ("dp", "tp", "cp")  # the others follow in the registry's order
+    assert check_sizes(8, {"tp": 2, "cp": 1}, "cp-dp-tp") == {"cp": 1, "dp": 4, "tp": 2}
 
 
 @pytest.mark.parametrize("world,tp,cp,order,message", [
     (8, 3, 1, "tp-cp-dp", "not divisible by tensor_parallel x context_parallel"),
-    (4, 2, 1, "tp-dp", "must name tp, cp and dp"),
+    (4, 2, 1, "tp-xx-dp", "must name parallel dimensions"),
+    (4, 2, 1, "tp-dp-tp", "at most once each"),
     (4, 0, 1, "tp-cp-dp", "at least 1"),
 ])
 def test_bad_sizes(world, tp, cp, order, message):
     with pytest.raises(ValueError, match=message):
-        check_sizes(world, tp, cp, order)
+        check_sizes(world, {"tp": tp, "cp": cp}, order)
 
 
-def test_model_must_split():
+def test_model_must_split(cfg_factory):
     with pytest.raises(ValueError, match="num_heads must be divisible by tensor_parallel.*num_heads=4"):
-        check_model(tp=3, cp=1, embed_dim=96, num_heads=4, mlp_hidden=384, num_tokens=8)
+        check_model(cfg_factory(embed_dim=96, num_heads=4, tensor_parallel=3))
     with pytest.raises(ValueError, match="context_parallel exceeds the number of tokens"):
-        check_model(tp=1, cp=16, embed_dim=32, num_heads=4, mlp_hidden=128, num_tokens=8)
+        check_model(cfg_factory(context_parallel=64))  # 16 x 32 grid, 4 x 4 patches: 32 tokens
 
 
 # ----------------------------------------------------------------------- mappings ---
@@ -182,23 +188,23 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, errors: list[str], 
 def _parity_on_ranks(layouts: list[tuple[int, int]]) -> None:
     errors: list[str] = []
     for tp, cp in layouts:
-        comm = init_comm(tp, cp)
-        where = f"tp={tp} cp={cp} dp={comm.dp_size} ({comm.describe()})"
+        mesh = build_mesh({"tp": tp, "cp": cp})
+        where = f"tp={tp} cp={cp} dp={mesh.dp_size} ({mesh.describe()})"
         torch.manual_seed(0)
         serial = ViT(**MODEL)
         state_after_serial = torch.get_rng_state()
         torch.manual_seed(0)
-        par = ViT(**MODEL, comm=comm)
+        par = apply_model_parallel(ViT(**MODEL), mesh)
         if not torch.equal(torch.get_rng_state(), state_after_serial):
             errors.append(f"{where}: building the parallel model used the random generator differently")
-        for name, full in full_state(par, comm).items():  # initialised as the serial model's shards
+        for name, full in full_state(par, mesh).items():  # initialised as the serial model's shards
             _close(f"{where} initial weight {name}", full, serial.get_parameter(name).detach(), errors)
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():  # biases start at 0 and norms at 1: move them so every term counts
             for p in serial.parameters():
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
-        load_full_state(par, serial.state_dict(), comm)
-        model = wrap_for_training(par, comm, torch.device("cpu"))
+        load_full_state(par, serial.state_dict(), mesh)
+        model = wrap_data_parallel(par, mesh, torch.device("cpu"))
 
         x = torch.randn(GLOBAL_BATCH, 3, 12, 20, generator=gen)
         w = torch.randn(GLOBAL_BATCH, 2, 12, 20, generator=gen)  # loss weights: distinct gradients
@@ -207,8 +213,8 @@ def _parity_on_ranks(layouts: list[tuple[int, int]]) -> None:
         out_s = serial(xs)
         (out_s * w).sum().div(GLOBAL_BATCH).backward()
 
-        local = GLOBAL_BATCH // comm.dp_size  # each data-parallel replica takes its part
-        sl = slice(comm.dp_rank * local, (comm.dp_rank + 1) * local)
+        local = GLOBAL_BATCH // mesh.dp_size  # each data-parallel replica takes its part
+        sl = slice(mesh.dp_rank * local, (mesh.dp_rank + 1) * local)
         xp = x[sl].clone().requires_grad_()
         out_p = model(xp)
         (out_p * w[sl]).sum().div(local).backward()
@@ -216,9 +222,9 @@ def _parity_on_ranks(layouts: list[tuple[int, int]]) -> None:
         _close(f"{where} output", out_p.detach(), out_s.detach()[sl], errors)
         # the input gradient: context-parallel ranks each hold the part that flowed through
         # their tokens (summed here); per-replica mean losses make it dp times the serial one
-        gx = M.reduce_from(xp.grad, comm.cp_group) / comm.dp_size
+        gx = M.reduce_from(xp.grad, mesh.group("cp")) / mesh.dp_size
         _close(f"{where} input gradient", gx, xs.grad[sl], errors)
-        grads = full_state(par, comm, grads=True)
+        grads = full_state(par, mesh, grads=True)
         largest = max(p.grad.abs().max().item() for p in serial.parameters())
         for name, p in serial.named_parameters():
             _close(f"{where} gradient of {name}", grads[name], p.grad, errors, largest)
@@ -255,8 +261,8 @@ def test_saved_activation_bytes_counts_each_storage_once():
 
 def test_config_rejects_a_bad_parallel_order(cfg_factory):
     assert cfg_factory(parallel_order="dp-cp-tp").parallel_order == "dp-cp-tp"
-    with pytest.raises(ValueError, match="'parallel_order' is 'tp-dp'"):
-        cfg_factory(parallel_order="tp-dp")
+    with pytest.raises(ValueError, match="'parallel_order' is 'tp-tp'"):
+        cfg_factory(parallel_order="tp-tp")
 
 
 @pytest.mark.parametrize("shard_dim", [0, 1])
@@ -264,7 +270,8 @@ def test_a_shard_owns_its_memory(shard_dim):
     """Loading a consolidated checkpoint must not leave every rank holding the whole tensor
     (a chunk is a view of it; Adam's moments would keep all of them alive)."""
     full = torch.arange(24.0).reshape(4, 6)
-    shard = take_shard(full, ParamSpec(shard_dim), Comm(tp_size=2, rank=1, members={"tp": [0, 1]}))
+    mesh = ParallelMesh(sizes={"tp": 2, "cp": 1, "dp": 1}, rank=1, coords={"tp": 1})
+    shard = take_shard(full, ParamSpec(shard_dim), mesh)
     assert torch.equal(shard, full.chunk(2, dim=shard_dim)[1])
     assert shard.is_contiguous()
     assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from utils.trainer import RunContext, Trainer
+from training.context import RunContext
+from training.trainer import Trainer
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")

@@ -12,9 +12,11 @@ import time
 import pytest
 import torch
 
+from distributed.stop import StopAgreement
 from tests.conftest import REPO, subprocess_env
-from utils import preemption
-from utils.trainer import RunContext, Trainer
+from training.context import RunContext
+from training.trainer import Trainer
+from utils import signals as preemption
 
 
 class SignalledTrainer(Trainer):
@@ -66,14 +68,15 @@ def test_without_a_signal_nothing_stops(cfg_factory, tmp_path, handlers):
 
 
 def test_check_interval_must_be_positive():
-    with pytest.raises(ValueError, match="--stop_check_every must be at least 1"):
-        preemption.StopAgreement(torch.device("cpu"), check_every=0)
+    with pytest.raises(ValueError, match="stop_check_every must be at least 1"):
+        StopAgreement(torch.device("cpu"), check_every=0)
 
 
 @pytest.mark.timeout(60)
 def test_a_second_signal_kills_as_usual():
     """A stuck run can still be stopped: the first TERM is caught, the second is not."""
-    code = ("import os, signal, time; from utils import preemption; preemption.install_handlers(); "
+    code = ("import os, signal, time; from utils import signals as preemption; "
+            "preemption.install_handlers(); "
             "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2); "
             "assert preemption.received() == 'SIGTERM'; print('survived', flush=True); "
             "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); print('still alive')")

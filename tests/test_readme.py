@@ -109,14 +109,8 @@ def check_train_flags(script: str, args: list[str]) -> None:
 
 
 def train_parser(script: str) -> argparse.ArgumentParser:
-    module = {"train.py": "utils.launch", "train_graph.py": "utils.launch",
-              "train_mp.py": "train_mp"}[script]
-    if module == "train_mp":
-        sys.path.insert(0, str(REPO))
-        import train_mp
-
-        return train_mp.build_parser()
-    from utils.launch import arg_parser
+    assert script in ("train.py", "train_graph.py", "train_mp.py"), script
+    from training.launcher import arg_parser
 
     return arg_parser("")
 

@@ -16,12 +16,13 @@ import pytest
 import torch
 from ruamel.yaml import YAML
 
-from distributed.helpers import load_full_state
+from distributed.consolidate import load_full_state
+from distributed.mesh import ParallelMesh, build_mesh
+from distributed.parallelize import apply_model_parallel
 from networks.vit import build_vit
 from tests.conftest import REPO, make_cfg, subprocess_env
 from tests.dist_spawn import run_ranks
 from utils.checkpoint import load
-from utils.comm import Comm, init_comm
 from utils.config import Config
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("train_mp")]  # module fixture runs once
@@ -80,7 +81,8 @@ def test_memory_per_rank_in_tensorboard(runs):
     logged = events.Scalars("Memory/parameters_MiB")
     assert [e.step for e in logged] == [2, 4, 6]
     with torch.device("meta"):  # the tp=2 shard's size, from the model itself
-        shard = build_vit(cfg, Comm(tp_size=2, members={"tp": [0, 1]}))
+        mesh = ParallelMesh(sizes={"tp": 2, "cp": 1, "dp": 1}, coords={"tp": 0})
+        shard = apply_model_parallel(build_vit(cfg), mesh)
     want = sum(p.numel() * 4 for p in shard.parameters()) / 2**20
     whole = sum(p.numel() * 4 for p in build_vit(cfg).parameters()) / 2**20
     assert logged[-1].value == pytest.approx(want) and want < 0.8 * whole  # embeddings, head stay whole
@@ -106,14 +108,14 @@ def test_tp2_checkpoint_is_consolidated(runs):
 
 
 def _outputs_agree_across_layouts(cfg: Config, tp2_ckpt: Path, tp1_ckpt: Path) -> None:
-    comm = init_comm(2, 1)
+    mesh = build_mesh({"tp": 2, "cp": 1})
     x = torch.randn(2, cfg.n_in_channels, *cfg.img_size, generator=torch.Generator().manual_seed(3))
     for written_by, path in (("tp=2", tp2_ckpt), ("tp=1", tp1_ckpt)):
         state = load(path)["model"]
         serial = build_vit(cfg)
         serial.load_state_dict(state)
-        par = build_vit(cfg, comm)
-        load_full_state(par, state, comm)
+        par = apply_model_parallel(build_vit(cfg), mesh)
+        load_full_state(par, state, mesh)
         with torch.no_grad():
             want, got = serial(x), par(x)
         # same weights, fp32: only summation order differs
@@ -150,21 +152,20 @@ def test_resume_tp2_from_a_serial_checkpoint(runs, tmp_path):
 
 
 def test_flags_and_layout_errors(cfg_factory, tmp_path, capsys):
-    from train_mp import MP_FLAGS, ModelParallelTrainer, build_parser, setup
-    from utils.launch import main
+    from training.launcher import arg_parser, main
+    from training.trainer import Trainer
 
-    args = build_parser().parse_args(["--row_parallel_size", "4", "--context_parallel", "2",
-                                       "--parallel_order", "cp-tp-dp"])
+    args = arg_parser().parse_args(["--row_parallel_size", "4", "--context_parallel", "2",
+                                    "--parallel_order", "cp-tp-dp"])
     assert (args.tensor_parallel, args.context_parallel, args.parallel_order) == (4, 2, "cp-tp-dp")
     yaml = _write_yaml(cfg_factory(), tmp_path / "test.yaml")
     argv = ["--yaml_config", str(yaml), "--config", "test", "--tensor_parallel", "2"]
-    code = main(ModelParallelTrainer, argv, parser=build_parser(), extra_flags=MP_FLAGS, setup=setup)
+    code = main(Trainer, argv, model_parallel=True)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err[-1].startswith("error: world size 1 is not divisible by tensor_parallel x context_parallel")
     assert not (tmp_path / "logs").exists()  # nothing written for a run that cannot start
-    code = main(ModelParallelTrainer, argv + ["--amp_mode", "fp16"], parser=build_parser(),
-                extra_flags=MP_FLAGS, setup=setup)
+    code = main(Trainer, argv + ["--amp_mode", "fp16"], model_parallel=True)
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: amp_mode fp16 does not work with tensor_parallel > 1 (the ranks' loss scalers "

@@ -9,8 +9,9 @@ import torch
 from ruamel.yaml import YAML
 
 from tests.conftest import REPO, subprocess_env
+from training.context import RunContext, local_batch_size
+from training.trainer import Trainer, make_lr_lambda
 from utils import checkpoint as ckpt
-from utils.trainer import RunContext, Trainer, local_batch_size, make_lr_lambda
 
 
 def run_train(*args, timeout=240):
@@ -102,7 +103,7 @@ def test_resume_gives_the_same_losses(cfg_factory, tmp_path):
 def test_rerunning_a_finished_run_says_how_to_train_again(cfg_factory, tmp_path, caplog):
     cfg = cfg_factory(limit_nsamples=16, num_iters=2)
     make_trainer(cfg, tmp_path / "run").fit()
-    with caplog.at_level("INFO", logger="utils.trainer"):
+    with caplog.at_level("INFO", logger="training.trainer"):
         again = make_trainer(cfg, tmp_path / "run")
         again.fit()
     assert again.step == 2
@@ -159,7 +160,7 @@ def test_local_batch_size():
     (["--config", "tiny", "--data_dir", "/nonexistent/era5"],
      "error: data directory /nonexistent/era5 does not exist; generate synthetic data with `make data`"),
     (["--config", "tiny", "--num_iters", "0"], "error: config key 'num_iters' must be at least 1"),
-    (["--config", "mp_short"], "error: config 'mp_short' sets tensor_parallel=4, context_parallel=1: "
+    (["--config", "mp_short"], "error: config 'mp_short' sets tensor_parallel=4: "
                                "model parallel runs use train_mp.py"),
 ])
 def test_cli_errors_are_one_line(args, message, tmp_path):
@@ -172,7 +173,7 @@ def test_cli_errors_are_one_line(args, message, tmp_path):
 
 def test_plot_prediction_script(cfg_factory, tmp_path):
     from scripts.plot_prediction import main as plot_main
-    from utils.launch import write_resolved_config
+    from training.launcher import write_resolved_config
 
     cfg = cfg_factory(num_iters=2)
     run_dir = tmp_path / "run"

@@ -28,52 +28,80 @@ AMP_MODES = ("none", "fp16", "bf16")
 DATA_LOADERS = ("pytorch", "dali")
 LR_SCHEDULES = ("cosine", "constant")
 OPTIMIZERS = ("Adam",)
+ADAM_BETAS = (0.9, 0.95)  # beta2 0.95, as the tutorial: steadier with large batches
+
+
+def key(default: Any, help: str, group: str, **flag: Any) -> Any:
+    """A config key: its default, its help text (shown by --help) and the flag group it
+    appears in. ``flag`` may add ``aliases`` (other flag names) or ``choices``."""
+    return dataclasses.field(default=default, metadata={"help": help, "group": group, **flag})
 
 
 @dataclass(frozen=True)
 class Config:
-    """One training configuration. Field names are the YAML keys."""
+    """One training configuration. Field names are the YAML keys and the flags' names."""
 
     # model
-    img_size: tuple[int, int] = (360, 720)
-    patch_size: int = 8
-    embed_dim: int = 384
-    depth: int = 12
-    num_heads: int = 8
-    mlp_ratio: float = 4.0
-    dropout: float = 0.0
-    n_in_channels: int = 20
-    n_out_channels: int = 20
+    img_size: tuple[int, int] = key((360, 720), "grid height and width (the data is cropped to it)", "model")
+    patch_size: int = key(8, "side of the square patches that become tokens", "model")
+    embed_dim: int = key(384, "token width", "model")
+    depth: int = key(12, "transformer blocks", "model")
+    num_heads: int = key(8, "attention heads per block", "model")
+    mlp_ratio: float = key(4.0, "MLP hidden width / embed_dim", "model")
+    dropout: float = key(0.0, "dropout probability", "model")
+    n_in_channels: int = key(20, "input variables (ERA5 channels)", "model")
+    n_out_channels: int = key(20, "predicted variables (the first n of the input)", "model")
     # data
-    data_dir: str = "/data"
-    dt: int = 1
-    limit_nsamples: int | None = None
-    limit_nsamples_val: int | None = None
-    num_data_workers: int = 0
-    data_loader_config: str = "pytorch"
+    data_dir: str = key("/data", "ERA5 folder with train/, valid/, stats/", "data")
+    dt: int = key(1, "predict fields[t + dt]; dt in 6-hour steps", "data")
+    limit_nsamples: int | None = key(None, "use only the first N training samples", "data")
+    limit_nsamples_val: int | None = key(None, "use only the first N validation samples", "data")
+    num_data_workers: int = key(0, "DataLoader workers (0 = load in the main process)", "data")
+    data_loader_config: str = key("pytorch", "data loader", "data", choices=DATA_LOADERS)
     # optimisation
-    num_iters: int = 30000
-    global_batch_size: int = 16
-    lr: float = 5e-4
-    lr_schedule: str = "cosine"
-    warmup: int = 0
-    optimizer_type: str = "Adam"
-    amp_mode: str = "none"
-    enable_fused: bool = False
-    enable_jit: bool = False
-    # parallelism (model parallel sizes; data parallel size is what is left)
-    tensor_parallel: int = 1
-    context_parallel: int = 1
-    parallel_order: str = "tp-cp-dp"
+    num_iters: int = key(30000, "optimizer steps to train", "optimisation")
+    global_batch_size: int = key(16, "samples per optimizer step over all data-parallel ranks",
+                                 "optimisation")
+    local_batch_size: int | None = key(None, "per-rank batch (default: global_batch_size / "
+                                             "data-parallel ranks)", "optimisation")
+    lr: float = key(5e-4, "peak learning rate", "optimisation")
+    lr_schedule: str = key("cosine", "learning-rate schedule after warm-up", "optimisation",
+                           choices=LR_SCHEDULES)
+    warmup: int = key(0, "steps of linear learning-rate warm-up", "optimisation")
+    optimizer_type: str = key("Adam", "optimizer", "optimisation", choices=OPTIMIZERS)
+    adam_betas: tuple[float, float] = key(ADAM_BETAS, "Adam's beta1 and beta2", "optimisation")
+    amp_mode: str = key("none", "mixed precision", "optimisation", choices=AMP_MODES)
+    enable_fused: bool = key(False, "fused Adam (--no-enable_fused to switch off)", "optimisation")
+    enable_jit: bool = key(False, "torch.compile the model and loss (--no-enable_jit to switch off)",
+                           "optimisation")
+    # parallelism: model-parallel sizes; the data-parallel size is what the ranks leave
+    tensor_parallel: int = key(1, "ranks that split each layer (heads, MLP features); "
+                                  "--row_parallel_size is the SC23 name", "parallelism",
+                               aliases=("--row_parallel_size",))
+    context_parallel: int = key(1, "ranks that split the sequence of tokens", "parallelism")
+    parallel_order: str = key("tp-cp-dp", "rank layout, fastest-varying dimension first",
+                              "parallelism")
+    # data parallel (DDP)
+    bucket_cap_mb: float = key(25.0, "DDP gradient bucket size in MB", "data parallel")
+    disable_broadcast_buffers: bool = key(False, "do not broadcast module buffers from rank 0 "
+                                                 "every forward", "data parallel")
+    noddp: bool = key(False, "no gradient synchronisation: each rank trains alone (profiling "
+                             "compute only)", "data parallel")
     # run
-    expdir: str = "/logs"
-    seed: int = 0
-    checkpoint_every: int = 0
+    expdir: str = key("/logs", "root of the run directories", "run")
+    seed: int = key(0, "random seed (weights, data order, dropout)", "run")
+    checkpoint_every: int = key(0, "steps between checkpoints (0 = only at the end)", "run")
+    stop_check_every: int = key(10, "steps between the ranks' checks for a stop signal (TERM, USR1, "
+                                    "USR2); on one, training checkpoints and exits with status 75",
+                                "run")
     # profiling window (utils/profiling.py): steps profile_start_step.. of epoch profile_epoch
-    profile_epoch: int | None = None  # None: no window
-    profile_start_step: int = 0
-    profile_num_steps: int | None = None  # None: to the end of the epoch
-    profile: bool = False  # also write a torch.profiler trace of the window
+    profile_epoch: int | None = key(None, "epoch (0-based) whose steps rank 0 brackets with "
+                                          "cudaProfilerStart/Stop", "profiling")
+    profile_start_step: int = key(0, "first profiled step of that epoch (0-based)", "profiling")
+    profile_num_steps: int | None = key(None, "steps in the window (default: to epoch end)",
+                                        "profiling")
+    profile: bool = key(False, "write a torch.profiler trace of the window to RUN_DIR/profile "
+                               "(CPU or GPU)", "profiling")
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -143,23 +171,30 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def _check_values(cfg: Config) -> None:
-    _check_choice("amp_mode", cfg.amp_mode, AMP_MODES)
-    _check_choice("data_loader_config", cfg.data_loader_config, DATA_LOADERS)
-    _check_choice("lr_schedule", cfg.lr_schedule, LR_SCHEDULES)
-    _check_choice("optimizer_type", cfg.optimizer_type, OPTIMIZERS)
-    if sorted(cfg.parallel_order.split("-")) != ["cp", "dp", "tp"]:
-        raise ValueError(f"config key 'parallel_order' is {cfg.parallel_order!r}; name tp, cp and dp "
-                         f"once each, fastest-varying first, for example 'tp-cp-dp'")
+    for f in dataclasses.fields(cfg):
+        if "choices" in f.metadata:
+            _check_choice(f.name, getattr(cfg, f.name), f.metadata["choices"])
+    names = cfg.parallel_order.split("-")
+    if not all(n.isalpha() for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"config key 'parallel_order' is {cfg.parallel_order!r}; name each parallel "
+                         f"dimension once, separated by '-', fastest-varying first, e.g. 'tp-cp-dp'")
+    if cfg.amp_mode == "fp16" and cfg.tensor_parallel > 1:  # each rank's GradScaler decides alone
+        raise ValueError("amp_mode fp16 does not work with tensor_parallel > 1 (the ranks' loss "
+                         "scalers would skip different steps); use --amp_mode bf16")
+    if cfg.bucket_cap_mb <= 0:
+        raise ValueError(f"config key 'bucket_cap_mb' must be positive, got {cfg.bucket_cap_mb}")
+    if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
+        raise ValueError(f"config key 'adam_betas' must be two numbers in [0, 1), got {cfg.adam_betas}")
     positive = ("patch_size", "embed_dim", "depth", "num_heads", "n_in_channels",
                 "n_out_channels", "dt", "num_iters", "global_batch_size",
-                "tensor_parallel", "context_parallel")
+                "tensor_parallel", "context_parallel", "stop_check_every")
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"config key '{name}' must be at least 1, got {getattr(cfg, name)}")
     for name in ("warmup", "num_data_workers", "checkpoint_every", "seed"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"config key '{name}' must be 0 or more, got {getattr(cfg, name)}")
-    for name in ("limit_nsamples", "limit_nsamples_val"):
+    for name in ("limit_nsamples", "limit_nsamples_val", "local_batch_size"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ValueError(f"config key '{name}' must be None or at least 1, got {value}")

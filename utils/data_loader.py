@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from utils.config import Config
 from utils.era5 import STATS_FILES
-from utils.preemption import ignore_in_worker
+from utils.signals import ignore_in_worker
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,24 @@ class ShardedSampler(Sampler[int]):
         """Batches of this rank in a whole epoch (the last one partial without drop_last)."""
         n = len(self.epoch_order())
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+
+class Batches:
+    """The PyTorch DataLoader behind the small interface the training loop needs.
+
+    Other loaders (DALI) implement the same: ``set_epoch(epoch, start_batch)``,
+    iteration over (input, target) batches, and ``batches_per_epoch``.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: ShardedSampler) -> None:
+        self.loader, self.sampler = loader, sampler
+        self.batches_per_epoch = sampler.batches_per_epoch()
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.sampler.set_epoch(epoch, start_batch)
+
+    def __iter__(self):
+        return iter(self.loader)
 
 
 def get_data_loader(cfg: Config, split: str, local_batch_size: int, train: bool,

@@ -76,7 +76,7 @@ class BatchSource:
 
 
 class DALIBatches:
-    """The ``Batches`` interface of utils/trainer.py over a DALI pipeline.
+    """The ``Batches`` interface of utils/data_loader.py over a DALI pipeline.
 
     A pipeline runs whole epochs. ``set_epoch`` keeps the running pipeline when it is
     about to start exactly the epoch asked for, and builds a new one otherwise (first

@@ -1,89 +1,49 @@
 """The training loop, written once for train.py, train_graph.py and train_mp.py.
 
 :class:`Trainer` builds every component from a validated :class:`Config` and a
-:class:`RunContext` (device, ranks, run directory), then :meth:`Trainer.fit` runs
-exactly ``num_iters`` optimizer steps with validation after every epoch. Entry scripts
-change what they need by subclassing: the model (tensor parallel) or the step
-(CUDA Graphs).
+:class:`~training.context.RunContext` (device, ranks, mesh, run directory), then
+:meth:`Trainer.fit` runs exactly ``num_iters`` optimizer steps with validation after
+every epoch. The model is the serial ViT made parallel from outside by
+distributed/parallelize.py, whatever the layout; variants that change the step
+subclass it (training/graphs.py: CUDA Graphs).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 
+from distributed import consolidate
+from distributed.env import all_reduce_sum
+from distributed.parallelize import parallelize
+from distributed.stop import StopAgreement
+from distributed.tags import unwrap
 from networks.vit import build_vit, count_parameters
+from training import reporting
+from training.context import RunContext
 from utils import checkpoint as ckpt
 from utils import device as dev
 from utils.config import Config
-from utils.data_loader import get_data_loader
-from utils.distributed import all_reduce_sum
+from utils.data_loader import Batches, get_data_loader
 from utils.era5 import CHANNELS
-from utils.metrics import (
-    latitude_weights,
-    relative_l2_loss,
-    relative_l2_per_sample,
-    weighted_rmse_per_sample,
-)
-from utils.preemption import StopAgreement, received
+from utils.metrics import latitude_weights, relative_l2_loss, relative_l2_per_sample, weighted_rmse_per_sample
 from utils.profiling import ProfilingWindow
+from utils.signals import received
 
 log = logging.getLogger(__name__)
-
-LOGGED_CHANNELS = ("u10m", "t2m")  # RMSE of these goes to TensorBoard
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (for example the loss became NaN)."""
-
-
-@dataclass(frozen=True)
-class RunContext:
-    """Runtime facts that are not configuration."""
-
-    device: torch.device
-    run_dir: Path
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    # data parallel: how many replicas see different data, and this rank's place
-    dp_size: int = 1
-    dp_rank: int = 0
-    dp_group: Any = None  # torch.distributed.ProcessGroup; None = the default group
-    comm: Any = None  # utils.comm.Comm: every parallel group (train_mp.py); None = data parallel only
-    use_ddp: bool = True  # False for --noddp: every rank trains alone
-    ddp_options: dict = field(default_factory=dict)
-    stop_check_every: int = 10  # steps between the ranks' stop-signal agreements
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def local_batch_size(global_batch: int, dp_size: int, override: int | None = None) -> int:
-    """Each data-parallel replica's share of the global batch."""
-    if override is not None:
-        if override < 1:
-            raise ValueError(f"--local_batch_size must be at least 1, got {override}")
-        return override
-    if global_batch % dp_size:
-        raise ValueError(
-            f"global_batch_size {global_batch} is not divisible by the {dp_size} data-parallel "
-            f"ranks; choose a batch that is a multiple of {dp_size} or pass --local_batch_size"
-        )
-    return global_batch // dp_size
 
 
 def make_lr_lambda(cfg: Config):
@@ -100,24 +60,6 @@ def make_lr_lambda(cfg: Config):
     return factor
 
 
-class Batches:
-    """The PyTorch DataLoader behind the small interface the loop needs.
-
-    Other loaders (DALI) implement the same: ``set_epoch(epoch, start_batch)``,
-    iteration over (input, target) batches, and ``batches_per_epoch``.
-    """
-
-    def __init__(self, loader, sampler) -> None:
-        self.loader, self.sampler = loader, sampler
-        self.batches_per_epoch = sampler.batches_per_epoch()
-
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.sampler.set_epoch(epoch, start_batch)
-
-    def __iter__(self):
-        return iter(self.loader)
-
-
 class Trainer:
     def __init__(self, cfg: Config, ctx: RunContext, local_batch: int) -> None:
         self.cfg, self.ctx, self.local_batch = cfg, ctx, local_batch
@@ -126,10 +68,9 @@ class Trainer:
         dev.configure_matmul(self.device)
         self.train_data = self.build_data("train", train=True)
         self.valid_data = self.build_data("valid", train=False)
-        self.model = self.build_model().to(self.device)
-        self.n_params = count_parameters(self.model)
-        self.model = self.wrap_model(self.model)
-        self.forward = torch.compile(self.model) if cfg.enable_jit else self.model
+        self.n_params = 0  # of the whole (serial) model, set by build_model
+        self.model = self.build_model()
+        self.raw_model = unwrap(self.model)
         self.loss_fn = torch.compile(relative_l2_loss) if cfg.enable_jit else relative_l2_loss
         self.optimizer = self.build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg))
@@ -141,7 +82,7 @@ class Trainer:
         self.epoch_loss = torch.zeros((), device=self.device)  # running sum in this epoch
         self.epoch_steps = 0
         self.writer: SummaryWriter | None = None
-        self.stop_agreement = StopAgreement(self.device, ctx.stop_check_every)
+        self.stop_agreement = StopAgreement(self.device, cfg.stop_check_every)
         self.stopped_early = False  # a stop signal ended training before num_iters
 
     # ------------------------------------------------------------------ building ---
@@ -157,17 +98,17 @@ class Trainer:
         return Batches(loader, sampler)
 
     def build_model(self) -> nn.Module:
-        return build_vit(self.cfg)
-
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        if self.ctx.dp_size == 1 or not self.ctx.use_ddp:
-            return model
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, process_group=self.ctx.dp_group,
-                                       **self.ctx.ddp_options)
+        """The serial model from the seed (the same weights in every layout), then this rank's part."""
+        serial = build_vit(self.cfg)
+        self.n_params = count_parameters(serial)
+        model = parallelize(serial, self.ctx.mesh, self.cfg, self.device)
+        if self.ctx.mesh.model_parallel:
+            log.info("%s; this rank holds %d of the model's %d parameters", self.ctx.mesh.describe(),
+                     count_parameters(unwrap(model)), self.n_params)
+        return model
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.model.parameters(), lr=self.cfg.lr, betas=(0.9, 0.95),
+        return torch.optim.Adam(self.model.parameters(), lr=self.cfg.lr, betas=self.cfg.adam_betas,
                                 fused=self.cfg.enable_fused or None)
 
     # --------------------------------------------------------------------- steps ---
@@ -175,7 +116,7 @@ class Trainer:
 
     def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         with dev.autocast(self.device, self.cfg.amp_mode, cache_enabled=self.autocast_cache):
-            pred = self.forward(inp)
+            pred = self.model(inp)
         return self.loss_fn(pred.float(), tar)
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
@@ -235,7 +176,7 @@ class Trainer:
         for inp, tar in self.valid_data:
             inp, tar = self.to_device(inp, tar)
             with dev.autocast(self.device, self.cfg.amp_mode):
-                pred = self.forward(inp)
+                pred = self.model(inp)
             pred = pred.float()
             b = inp.shape[0]
             sums[0] += relative_l2_per_sample(pred, tar).sum()
@@ -264,21 +205,18 @@ class Trainer:
     def checkpoint_path(self) -> Path:
         return self.ctx.run_dir / ckpt.CHECKPOINT_NAME
 
+    # consolidated: whole tensors with the serial names, whatever the layout (collectives over tp)
     def model_state(self) -> dict[str, torch.Tensor]:
-        """Full (consolidated) weights; tensor-parallel trainers gather their shards."""
-        model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
-        return model.state_dict()
+        return consolidate.full_state(self.raw_model, self.ctx.mesh)
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
-        model.load_state_dict(state)
+        consolidate.load_full_state(self.raw_model, state, self.ctx.mesh)
 
     def optimizer_state(self) -> dict[str, Any]:
-        """Optimizer state to save; tensor-parallel trainers consolidate their shards."""
-        return self.optimizer.state_dict()
+        return consolidate.full_optimizer_state(self.optimizer, self.ctx.mesh)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state)
+        consolidate.load_full_optimizer_state(self.optimizer, state, self.ctx.mesh)
 
     def state_dict(self) -> dict[str, Any]:
         epoch_loss = all_reduce_sum(self.epoch_loss.clone(), self.ctx.dp_group)
@@ -328,33 +266,9 @@ class Trainer:
     def log_epoch(self, epoch: int, seconds: float, steps: int, train_loss: float,
                   val: dict[str, Any], val_seconds: float) -> None:
         samples = steps * self.local_batch * self.ctx.dp_size
-        rate = samples / seconds if seconds > 0 else float("nan")
-        log.info("Time taken for epoch %d is %.2f sec, avg %.2f samples/sec", epoch + 1, seconds, rate)
-        log.info("  Avg train loss=%.6f", train_loss)
-        log.info("  Avg val loss=%.6f", val["loss"])
-        log.info("  Total validation time: %.2f sec", val_seconds)
-        if self.writer is None:
-            return
-        w, s = self.writer, self.step
-        w.add_scalar("Loss/train", train_loss, s)
-        w.add_scalar("Loss/valid", val["loss"], s)
-        for ch in LOGGED_CHANNELS:
-            if ch in val["rmse"]:
-                w.add_scalar(f"RMSE({ch})/valid", val["rmse"][ch], s)
-                w.add_scalar(f"RMSE({ch})/persistence", val["persistence"][ch], s)
-        w.add_scalar("Learning Rate", self.optimizer.param_groups[0]["lr"], s)
-        w.add_scalar("Avg iters per sec", steps / seconds if seconds > 0 else 0.0, s)
-        w.add_scalar("Avg samples per sec", rate, s)
-        if val["example"] is not None and "t2m" in val["rmse"]:
-            from utils.plots import target_vs_prediction
-
-            w.add_figure("Predictions/t2m", target_vs_prediction(*val["example"], "t2m"), s)
-        w.flush()
-        record = {"epoch": epoch + 1, "step": s, "train_loss": train_loss, "val_loss": val["loss"],
-                  "samples_per_sec": rate, "epoch_seconds": seconds,
-                  "rmse": val["rmse"], "persistence": val["persistence"]}
-        with open(self.ctx.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        reporting.log_epoch(self.writer, self.ctx.run_dir, epoch, self.step, seconds, samples, steps,
+                            train_loss, val, val_seconds, self.optimizer.param_groups[0]["lr"])
+        reporting.log_memory(self.writer, self.step, self.raw_model, self.optimizer, self.device)
 
     def finish_epoch_loss(self) -> float:
         """Average training loss of the epoch over all data-parallel ranks (one host sync)."""

@@ -1,0 +1,85 @@
+"""Consolidated state: whole tensors with the serial model's names, from and to this rank's shards.
+
+Checkpoints hold what the serial model would hold, so a run can continue in any layout
+(or in train.py). Each parameter's tag (distributed/tags.py) says how it is split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from distributed.mappings import _all_gather
+from distributed.mesh import ParallelMesh
+from distributed.tags import ParamSpec, spec
+
+
+def take_shard(full: torch.Tensor, p_spec: ParamSpec, mesh: ParallelMesh) -> torch.Tensor:
+    """This rank's slice of a full (serial) tensor, as a tensor of its own: a view would keep
+    the whole tensor alive (Adam's moments loaded from a checkpoint would stay full size)."""
+    tp = mesh.size("tp")
+    if p_spec.shard_dim is None or tp == 1:
+        return full
+    return full.chunk(tp, dim=p_spec.shard_dim)[mesh.rank_in("tp")].clone(
+        memory_format=torch.contiguous_format)
+
+
+def gather_full(t: torch.Tensor, p_spec: ParamSpec, mesh: ParallelMesh) -> torch.Tensor:
+    """The whole tensor from every tp rank's shard (collective over tp for sharded ones)."""
+    tp = mesh.size("tp")
+    if p_spec.shard_dim is None or tp == 1:
+        return t.detach().clone()
+    sizes = [t.shape[p_spec.shard_dim]] * tp
+    return _all_gather(t.detach(), p_spec.shard_dim, mesh.group("tp"), sizes)
+
+
+@torch.no_grad()
+def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], mesh: ParallelMesh) -> None:
+    """Load a consolidated (serial) state dict: each rank copies its shards."""
+    own = dict(model.named_parameters())
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit this model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}); was it written for another model size?")
+    for name, p in own.items():
+        shard = take_shard(state[name], spec(p), mesh).to(p.device)
+        if shard.shape != p.shape:
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(state[name].shape)}, which "
+                             f"does not fit this model; was it written for another model size?")
+        p.copy_(shard)
+
+
+def full_state(model: nn.Module, mesh: ParallelMesh, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Consolidated parameters (or their gradients) keyed like the serial model (collective over tp)."""
+    return {name: gather_full(p.grad if grads else p, spec(p), mesh)
+            for name, p in model.named_parameters()}
+
+
+def _per_element(v: Any) -> bool:
+    """Optimizer state shaped like its parameter (Adam's moments), not a scalar step count."""
+    return torch.is_tensor(v) and v.dim() > 0
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, mesh: ParallelMesh) -> dict[str, Any]:
+    """The optimizer's state dict with every per-element tensor consolidated (collective over tp)."""
+    state = optimizer.state_dict()
+    params = _optimizer_params(optimizer)
+    state["state"] = {i: {k: gather_full(v, spec(params[i]), mesh) if _per_element(v) else v
+                          for k, v in s.items()} for i, s in state["state"].items()}
+    return state
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                              mesh: ParallelMesh) -> None:
+    params = _optimizer_params(optimizer)
+    state = dict(state)
+    state["state"] = {i: {k: take_shard(v, spec(params[i]), mesh) if _per_element(v) else v
+                          for k, v in s.items()} for i, s in state["state"].items()}
+    optimizer.load_state_dict(state)

@@ -1,0 +1,198 @@
+"""The device mesh: every rank's place on a grid of named parallel dimensions.
+
+The ranks are laid out on a grid with one axis per parallel dimension (today tp, cp
+and dp). The order string (default ``tp-cp-dp``) says which dimension varies fastest:
+with ``tp-cp-dp`` the ranks of one tensor-parallel group are consecutive (on one node,
+over NVLink), and data parallelism spans nodes.
+
+Example, 8 ranks, ``tp=4``: tensor-parallel groups [0, 1, 2, 3] and [4, 5, 6, 7]; data
+groups [0, 4], [1, 5], [2, 6], [3, 7].
+
+:func:`group_layouts` computes every group as lists of ranks without a process group
+(a pure function, easy to test). :func:`build_mesh` then creates the groups as one
+``torch.distributed.device_mesh.DeviceMesh`` with named dimensions, which is what
+FSDP, DTensor and pipelining take.
+
+Adding a parallel dimension: add its name and config key to :data:`DIMENSIONS` (and
+what it must divide to :func:`check_model`), then its step in distributed/parallelize.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from utils.config import Config
+
+log = logging.getLogger(__name__)
+
+# name -> config key of its size. Data parallelism ("dp") takes whatever the others leave.
+DIMENSIONS: dict[str, str | None] = {
+    "tp": "tensor_parallel",
+    "cp": "context_parallel",
+    "dp": None,
+}
+DATA = "dp"
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    """Dimensions fastest-varying first; any the order leaves out follow in DIMENSIONS' order."""
+    names = tuple(order.split("-"))
+    unknown = [n for n in names if n not in DIMENSIONS]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(f"parallel_order {order!r} must name parallel dimensions ({', '.join(DIMENSIONS)}) "
+                         f"at most once each, separated by '-', for example 'tp-cp-dp'")
+    return names + tuple(n for n in DIMENSIONS if n not in names)
+
+
+def requested_sizes(cfg: Config) -> dict[str, int]:
+    """The configured size of every dimension but dp."""
+    return {name: getattr(cfg, k) for name, k in DIMENSIONS.items() if k is not None}
+
+
+def model_parallel_sizes(cfg: Config) -> dict[str, int]:
+    """The dimensions other than dp that are larger than 1 (empty: a data-parallel-only run)."""
+    return {n: s for n, s in requested_sizes(cfg).items() if s > 1}
+
+
+def check_sizes(world_size: int, sizes: dict[str, int], order: str = "tp-cp-dp") -> dict[str, int]:
+    """Validate the sizes of every dimension but dp; returns all sizes in layout order (dp filled in)."""
+    names = parse_order(order)
+    for name, size in sizes.items():
+        if size < 1:
+            raise ValueError(f"{DIMENSIONS[name]} must be at least 1, got {size}")
+    model = math.prod(sizes.values())
+    if world_size % model:
+        product = " x ".join(DIMENSIONS[n] for n in sizes)
+        values = " x ".join(str(s) for s in sizes.values())
+        raise ValueError(f"world size {world_size} is not divisible by {product} = {values} = {model}; "
+                         f"the product of all parallel sizes (dp included) must equal the number of ranks")
+    full = {**sizes, DATA: world_size // model}
+    return {n: full.get(n, 1) for n in names}
+
+
+def check_model(cfg: Config) -> None:
+    """The model must split: whole heads and equal MLP slices per tp rank, a token per cp rank."""
+    tp, cp = cfg.tensor_parallel, cfg.context_parallel
+    hidden = int(cfg.embed_dim * cfg.mlp_ratio)
+    tokens = (cfg.img_size[0] // cfg.patch_size) * (cfg.img_size[1] // cfg.patch_size)
+    sizes = f"(tensor_parallel={tp}, context_parallel={cp}, embed_dim={cfg.embed_dim}, " \
+            f"num_heads={cfg.num_heads}, mlp hidden={hidden}, tokens={tokens})"
+    if cfg.num_heads % tp:
+        raise ValueError(f"num_heads must be divisible by tensor_parallel {sizes}; "
+                         f"choose tensor_parallel among the divisors of num_heads")
+    if cfg.embed_dim % tp or hidden % tp:
+        raise ValueError(f"embed_dim and the MLP hidden size must be divisible by tensor_parallel {sizes}")
+    if cp > tokens:
+        raise ValueError(f"context_parallel exceeds the number of tokens {sizes}; "
+                         f"use fewer context-parallel ranks or smaller patches")
+
+
+def _strides(sizes: dict[str, int]) -> dict[str, int]:
+    """A rank's coordinate along a dimension has stride = product of the sizes before it."""
+    strides, s = {}, 1
+    for name, size in sizes.items():
+        strides[name] = s
+        s *= size
+    return strides
+
+
+def group_layouts(world_size: int, sizes: dict[str, int], order: str = "tp-cp-dp"
+                  ) -> dict[str, list[list[int]]]:
+    """Every group of every dimension as sorted rank lists, computed without a process group.
+
+    A group of dimension ``tp`` holds the ranks that differ only in their tp coordinate.
+    """
+    full = check_sizes(world_size, sizes, order)
+    strides = _strides(full)
+    layouts = {}
+    for name in full:
+        others = [n for n in full if n != name]
+        groups = []
+        for coords in itertools.product(*(range(full[n]) for n in others)):
+            base = sum(c * strides[n] for n, c in zip(others, coords))
+            groups.append([base + i * strides[name] for i in range(full[name])])
+        layouts[name] = sorted(groups)
+    return layouts
+
+
+def mesh_ranks(sizes: dict[str, int]) -> torch.Tensor:
+    """The rank grid in DeviceMesh's convention: the last axis varies fastest, so the axes
+    are our order reversed (``tp-cp-dp`` -> shape (dp, cp, tp))."""
+    return torch.arange(math.prod(sizes.values())).reshape(tuple(reversed(list(sizes.values()))))
+
+
+@dataclass
+class ParallelMesh:
+    """This rank's place on the mesh. ``groups[name]`` is None without a process group (one
+    process), which every collective here treats as "nothing to do"."""
+
+    sizes: dict[str, int]  # every dimension, fastest-varying first
+    rank: int = 0
+    coords: dict[str, int] = field(default_factory=dict)
+    groups: dict[str, Any] = field(default_factory=dict)
+    device_mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh; None for one process
+
+    def size(self, name: str) -> int:
+        return self.sizes.get(name, 1)
+
+    def rank_in(self, name: str) -> int:
+        return self.coords.get(name, 0)
+
+    def group(self, name: str) -> Any:
+        return self.groups.get(name)
+
+    @property
+    def model_parallel(self) -> bool:
+        return any(s > 1 for n, s in self.sizes.items() if n != DATA)
+
+    @property
+    def dp_size(self) -> int:
+        return self.size(DATA)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank_in(DATA)
+
+    @property
+    def dp_group(self) -> Any:
+        return self.group(DATA)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes.values())
+
+    def layout_name(self) -> str:
+        """For run directories: '2GPU_tp2_cp1_dp1' (every dimension, in DIMENSIONS' order)."""
+        return f"{self.world_size}GPU_" + "_".join(f"{n}{self.size(n)}" for n in DIMENSIONS)
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{n} {self.rank_in(n)}/{self.size(n)}" for n in self.sizes)
+        return f"rank {self.rank}: {parts} (order {'-'.join(self.sizes)})"
+
+
+def build_mesh(sizes: dict[str, int], order: str = "tp-cp-dp", device_type: str = "cpu") -> ParallelMesh:
+    """Create the mesh's process groups (collective: every rank must call this).
+
+    ``sizes``: every dimension but dp (dp is what is left of the world).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    full = check_sizes(world, sizes, order)
+    strides = _strides(full)
+    coords = {n: (rank // strides[n]) % full[n] for n in full}
+    mesh = ParallelMesh(sizes=full, rank=rank, coords=coords)
+    if dist.is_initialized():
+        from torch.distributed.device_mesh import DeviceMesh
+
+        names = tuple(reversed(list(full)))
+        mesh.device_mesh = DeviceMesh(device_type, mesh_ranks(full), mesh_dim_names=names)
+        mesh.groups = {n: mesh.device_mesh.get_group(n) for n in full}
+    log.info("parallel layout %s", mesh.describe())
+    return mesh

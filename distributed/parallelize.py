@@ -1,0 +1,62 @@
+"""Serial model -> this rank's model: every kind of parallelism applied from outside.
+
+The serial ViT (networks/vit.py) is built from the seed on every rank, so every layout
+starts from the same weights. :func:`parallelize` then transforms it, always in this order:
+
+1. tensor and context parallel (:func:`apply_model_parallel`): each block's attention and
+   MLP are swapped for the Column/Row-parallel versions, which keep this rank's shards of
+   the serial weights; the token slots split and gather the sequence. Parameters keep
+   their serial names and get tags that say how they are split.
+2. torch.compile (``enable_jit``) of each transformer block, in place (``Module.compile``), so
+   parameter names stay serial; per block, as torchtitan does, so that DDP can start a
+   block's gradient all-reduce while backward still runs through the blocks before it.
+3. data parallel (:func:`~distributed.tags.wrap_data_parallel`): DDP over the dp dimension,
+   with a comm hook that also sums gradients over cp when the tags ask for it.
+
+An instructor adding a kind of parallelism adds its step here, in its place in the order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from distributed.layers import (
+    DistributedAttention,
+    DistributedMLP,
+    SequenceGather,
+    SequenceSplit,
+    sequence_sizes,
+)
+from distributed.mesh import ParallelMesh
+from distributed.tags import tag_model, wrap_data_parallel
+from networks.vit import ViT
+from utils.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def apply_model_parallel(model: ViT, mesh: ParallelMesh) -> ViT:
+    """Swap the serial layers for tensor/context-parallel ones (in place); tag every parameter."""
+    if not mesh.model_parallel:
+        return model
+    sizes = sequence_sizes(model.num_tokens, mesh)
+    for block in model.blocks.values():
+        block.attn = DistributedAttention(block.attn, mesh, sizes)
+        block.mlp = DistributedMLP(block.mlp, mesh)
+    if mesh.size("cp") > 1:
+        model.seq_split = SequenceSplit(sizes, mesh)
+        model.seq_gather = SequenceGather(sizes, mesh)
+    tag_model(model, mesh)
+    return model
+
+
+def parallelize(model: ViT, mesh: ParallelMesh, cfg: Config, device: torch.device) -> nn.Module:
+    """This rank's model, on ``device``, ready to train (see the module docstring for the order)."""
+    model = apply_model_parallel(model, mesh).to(device)
+    if cfg.enable_jit:
+        for block in model.blocks.values():
+            block.compile()
+    return wrap_data_parallel(model, mesh, device, cfg)

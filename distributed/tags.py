@@ -1,0 +1,123 @@
+"""Parameter tags, and the gradient synchronisation they drive.
+
+Every parameter of a model-parallel ViT carries a :class:`ParamSpec` (attribute
+``mp_spec``): along which dimension it is split over the tensor-parallel group (or None
+when every tp rank holds all of it), and over which mesh dimensions its gradient must be
+summed. Checkpoint consolidation (distributed/consolidate.py) reads the same tags.
+
+Which gradients need a sum, and why:
+
+- tp-sharded weights (column- and row-parallel): each rank owns its slice; its gradient
+  is complete, no reduction.
+- replicated under tp (layer norms, row-parallel biases, patch embedding, head): every
+  tp rank sees identical inputs and, thanks to copy_to / reduce_from, identical output
+  gradients, so the gradients are already equal and complete. Summing them over tp (an
+  SC23 bug) would multiply them by tp.
+- under cp every parameter is replicated while each rank sees only its part of the
+  tokens: each gradient is a partial sum over tokens and must be summed over cp.
+- over dp, DDP averages as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from distributed.mesh import ParallelMesh
+from utils.config import Config
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    shard_dim: int | None = None  # split over the tp group along this dim; None = replicated
+    grad_sum: tuple[str, ...] = ()  # mesh dimensions whose ranks' gradients are summed
+
+
+def tag(p: nn.Parameter, shard_dim: int | None = None, grad_sum: tuple[str, ...] = ()) -> nn.Parameter:
+    p.mp_spec = ParamSpec(shard_dim, grad_sum)
+    return p
+
+
+def spec(p: torch.Tensor) -> ParamSpec:
+    return getattr(p, "mp_spec", ParamSpec())
+
+
+def tag_model(model: nn.Module, mesh: ParallelMesh) -> None:
+    """Complete every parameter's tag: untagged ones are replicated; with cp > 1 every
+    gradient is summed over cp (see the module docstring)."""
+    grad_sum = ("cp",) if mesh.size("cp") > 1 else ()
+    for p in model.parameters():
+        tag(p, spec(p).shard_dim, grad_sum)
+
+
+def needs_grad_sum(model: nn.Module) -> bool:
+    return any(spec(p).grad_sum for p in model.parameters())
+
+
+def install_grad_sum_hooks(model: nn.Module, mesh: ParallelMesh) -> None:
+    """Sum every tagged gradient over its dimensions as soon as it is accumulated in backward.
+    Used when there is no DDP (dp = 1 or --noddp); with DDP the comm hook does it."""
+    for p in model.parameters():
+        groups = [mesh.group(n) for n in spec(p).grad_sum if mesh.size(n) > 1]
+        if groups:
+            p.register_post_accumulate_grad_hook(_make_sum_hook(groups))
+
+
+def _make_sum_hook(groups):
+    def hook(p: torch.Tensor) -> None:
+        for g in groups:
+            dist.all_reduce(p.grad, group=g)
+
+    return hook
+
+
+def ddp_comm_hook(mesh: ParallelMesh):
+    """DDP communication hook: first sum the bucket's tagged gradients over their dimensions
+    (cp), then average the bucket over dp as DDP would by default."""
+
+    # no annotations: DDP inspects them, and `from __future__ import annotations` makes them strings
+    def hook(state, bucket):
+        buffer = bucket.buffer()
+        sums = {spec(p).grad_sum for p in bucket.parameters()}
+        # tag_model gives every parameter the same dimensions, so one collective per bucket does
+        assert len(sums) == 1, f"a DDP bucket mixes gradient groups {sums}"
+        for name in sums.pop():
+            if mesh.size(name) > 1:
+                dist.all_reduce(buffer, group=mesh.group(name))
+        buffer.div_(mesh.dp_size)
+        work = dist.all_reduce(buffer, group=mesh.dp_group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    return hook
+
+
+def wrap_data_parallel(model: nn.Module, mesh: ParallelMesh, device: torch.device,
+                       cfg: Config | None = None) -> nn.Module:
+    """Gradient synchronisation as the parameter tags ask: DDP over the dp group when dp > 1
+    (with :func:`ddp_comm_hook` when some gradients are also summed over another dimension),
+    else per-parameter hooks (nothing at all for a serial model on one rank)."""
+    use_ddp = cfg is None or not cfg.noddp
+    if mesh.dp_size > 1 and use_ddp:
+        ids = [device.index] if device.type == "cuda" else None
+        options = {} if cfg is None else {
+            "bucket_cap_mb": cfg.bucket_cap_mb,
+            # the ViT has no buffers today; this keeps the tutorial's switch meaningful for models
+            # that do (DDP always broadcasts them once at construction)
+            "broadcast_buffers": not cfg.disable_broadcast_buffers,
+            "gradient_as_bucket_view": True,
+        }
+        ddp = DistributedDataParallel(model, device_ids=ids, process_group=mesh.dp_group, **options)
+        if needs_grad_sum(model):
+            ddp.register_comm_hook(None, ddp_comm_hook(mesh))
+        return ddp
+    install_grad_sum_hooks(model, mesh)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (or the model itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,52 @@
+"""What a run knows about where it runs (not configuration): device, ranks, mesh, run folder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distributed.mesh import ParallelMesh
+
+
+@dataclass(frozen=True)
+class RunContext:
+    device: torch.device
+    run_dir: Path
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    mesh: ParallelMesh = field(default_factory=lambda: ParallelMesh(sizes={"dp": 1}))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # data parallel: how many replicas see different data, and this rank's place
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def dp_group(self) -> Any:
+        return self.mesh.dp_group
+
+
+def local_batch_size(global_batch: int, dp_size: int, override: int | None = None) -> int:
+    """Each data-parallel replica's share of the global batch."""
+    if override is not None:
+        if override < 1:
+            raise ValueError(f"--local_batch_size must be at least 1, got {override}")
+        return override
+    if global_batch % dp_size:
+        raise ValueError(
+            f"global_batch_size {global_batch} is not divisible by the {dp_size} data-parallel "
+            f"ranks; choose a batch that is a multiple of {dp_size} or pass --local_batch_size"
+        )
+    return global_batch // dp_size

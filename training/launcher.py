@@ -1,0 +1,185 @@
+"""What every entry script shares: command-line flags, run set-up, error handling.
+
+train.py, train_graph.py and train_mp.py differ only in the Trainer they run and in
+whether model-parallel dimensions may be larger than 1; parsing, the process group, the
+device mesh, the run directory and logging are done here once.
+
+Every config key is a flag of the same name (generated from utils/config.py, with its
+help text); a flag left out keeps the YAML value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import traceback
+import typing
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from distributed import mesh as meshes
+from distributed.env import init_distributed, parse_env
+from training.context import RunContext, local_batch_size
+from training.trainer import Trainer, TrainingError
+from utils import device as dev
+from utils import signals
+from utils.config import DEFAULT_YAML, Config, load_config, with_overrides
+from utils.logging_utils import setup_logging
+
+log = logging.getLogger(__name__)
+
+
+def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
+    """argparse type and extra options for a Config field's type hint."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is tuple:
+        return args[0], {"nargs": len(args)}
+    if args:  # Optional[X]
+        hint = args[0]
+    if hint is bool:
+        return None, {"action": argparse.BooleanOptionalAction}
+    return hint, {}
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config key, in argument groups named as in Config."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        name = f.metadata.get("group", "other")
+        group = groups.setdefault(name, parser.add_argument_group(name))
+        ftype, extra = _flag_type(hints[f.name])
+        if ftype is not None:
+            extra["type"] = ftype
+        if "choices" in f.metadata:
+            extra["choices"] = f.metadata["choices"]
+        group.add_argument(f"--{f.name}", *f.metadata.get("aliases", ()), dest=f.name, default=None,
+                           help=f.metadata.get("help"), **extra)
+
+
+def arg_parser(description: str = "") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--yaml_config", default=str(DEFAULT_YAML), help="YAML file of configurations")
+    p.add_argument("--config", default="base", help="configuration name in the YAML file")
+    p.add_argument("--run_num", default="00", help="run name inside the config's log folder")
+    add_config_flags(p)
+    return p
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    cfg = load_config(args.yaml_config, args.config)
+    return with_overrides(cfg, **{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+
+
+def run_dir_for(cfg: Config, config_name: str, run_num: str, mesh: meshes.ParallelMesh,
+                model_parallel: bool) -> Path:
+    """logs/CONFIG/4GPU/RUN; model-parallel lessons name every size ('4GPU_tp2_cp1_dp2'), so runs
+    at different layouts never share a directory."""
+    layout = mesh.layout_name() if model_parallel else f"{mesh.world_size}GPU"
+    return cfg.exp_path / config_name / layout / str(run_num)
+
+
+def write_resolved_config(cfg: Config, run_dir: Path, name: str) -> None:
+    from ruamel.yaml import YAML
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "config.yaml", "w") as f:
+        YAML().dump({name: cfg.to_dict()}, f)
+
+
+def _check_lesson(cfg: Config, config_name: str, model_parallel: bool) -> None:
+    split = meshes.model_parallel_sizes(cfg)
+    if split and not model_parallel:
+        sizes = ", ".join(f"{meshes.DIMENSIONS[n]}={s}" for n, s in split.items())
+        raise ValueError(f"config {config_name!r} sets {sizes}: model parallel runs use train_mp.py")
+
+
+def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunContext, int]:
+    """Config, process group, mesh and run directory; raises ValueError for user mistakes."""
+    env = parse_env()
+    cfg = resolve_config(args)
+    _check_lesson(cfg, args.config, model_parallel)
+    sizes = meshes.requested_sizes(cfg)
+    meshes.check_sizes(env.world_size, sizes, cfg.parallel_order)
+    meshes.check_model(cfg)
+    dev.set_cpu_threads(env.local_world_size)
+    device = dev.pick_device(env.local_rank)
+    init_distributed(env, device)
+    mesh = meshes.build_mesh(sizes, cfg.parallel_order, device.type)
+    run_dir = run_dir_for(cfg, args.config, args.run_num, mesh, model_parallel)
+    ctx = RunContext(device=device, run_dir=run_dir, rank=env.rank, world_size=env.world_size,
+                     local_rank=env.local_rank, mesh=mesh)
+    local_batch = local_batch_size(cfg.global_batch_size, ctx.dp_size, cfg.local_batch_size)
+    return cfg, ctx, local_batch
+
+
+def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description: str = "",
+         model_parallel: bool = False) -> int:
+    """Parse flags, set up ranks and logging, train; one-line errors for user mistakes.
+
+    ``model_parallel``: whether the lesson allows dimensions other than dp larger than 1
+    (train_mp.py); its run directories then name every parallel size.
+    """
+    args = arg_parser(description).parse_args(argv)
+    rank = parse_env().rank if _env_ok() else 0
+    setup_logging(rank)
+    try:
+        cfg, ctx, local_batch = set_up(args, model_parallel)
+        if ctx.is_main:
+            write_resolved_config(cfg, ctx.run_dir, args.config)
+        setup_logging(ctx.rank, ctx.run_dir / "out.log")
+        log.info("config %s on %s, %d rank(s); run directory %s", args.config, ctx.device,
+                 ctx.world_size, ctx.run_dir)
+        trainer = trainer_cls(cfg, ctx, local_batch)
+    except ValueError as err:  # a user mistake: config, flags, data
+        # one write per line: print() writes the text and the newline separately, and the
+        # ranks' identical messages would interleave on a shared stderr
+        sys.stderr.write(f"error: {err}\n")
+        sys.stderr.flush()
+        return exit_now(2)
+    signals.install_handlers()
+    try:
+        trainer.fit()
+    except TrainingError as err:
+        log.error("rank %d: %s", ctx.rank, err)
+        return exit_now(1)
+    except Exception:
+        log.error("rank %d failed:\n%s", ctx.rank, traceback.format_exc())
+        return exit_now(1)
+    if trainer.stopped_early:  # every rank waits until rank 0 has written the checkpoint
+        if dist.is_initialized():
+            dist.barrier()
+        return exit_now(signals.EXIT_STOPPED)
+    if ctx.is_main:
+        log.info("TensorBoard logs are in %s; view them with: tensorboard --logdir %s",
+                 ctx.run_dir, cfg.exp_path)
+    return exit_now(0)
+
+
+def _env_ok() -> bool:
+    try:
+        parse_env()
+    except ValueError:
+        return False
+    return True
+
+
+def exit_now(code: int) -> int:
+    """End the process at once when it is one rank of several, skipping the interpreter's
+    clean-up. After an error other ranks may be waiting in a collective: joining them would
+    hang, and the launcher (torchrun, srun --kill-on-bad-exit) stops them when we exit. After
+    success, freeing DDP's gloo process group can deadlock (its worker thread waits for the
+    GIL to free a finished collective's tensors while the main thread, holding the GIL, waits
+    to join it; seen with torch 2.13 right after a barrier), and so can
+    destroy_process_group. The operating system closes the connections instead."""
+    if dist.is_initialized():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

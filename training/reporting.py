@@ -1,0 +1,82 @@
+"""What a run reports after every epoch: the log lines, TensorBoard scalars, metrics.jsonl, memory.
+
+The log lines and TensorBoard tags are the original tutorial's, so its notebook and
+its habits carry over.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.tensorboard import SummaryWriter
+
+from utils import device as dev
+
+log = logging.getLogger(__name__)
+
+LOGGED_CHANNELS = ("u10m", "t2m")  # RMSE of these goes to TensorBoard
+MIB = 2**20
+
+
+def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int, seconds: float,
+              samples: int, steps: int, train_loss: float, val: dict[str, Any], val_seconds: float,
+              lr: float) -> None:
+    """Log one epoch (every rank's logger; rank 0 alone has a ``writer`` and writes files)."""
+    rate = samples / seconds if seconds > 0 else float("nan")
+    log.info("Time taken for epoch %d is %.2f sec, avg %.2f samples/sec", epoch + 1, seconds, rate)
+    log.info("  Avg train loss=%.6f", train_loss)
+    log.info("  Avg val loss=%.6f", val["loss"])
+    log.info("  Total validation time: %.2f sec", val_seconds)
+    if writer is None:
+        return
+    writer.add_scalar("Loss/train", train_loss, step)
+    writer.add_scalar("Loss/valid", val["loss"], step)
+    for ch in LOGGED_CHANNELS:
+        if ch in val["rmse"]:
+            writer.add_scalar(f"RMSE({ch})/valid", val["rmse"][ch], step)
+            writer.add_scalar(f"RMSE({ch})/persistence", val["persistence"][ch], step)
+    writer.add_scalar("Learning Rate", lr, step)
+    writer.add_scalar("Avg iters per sec", steps / seconds if seconds > 0 else 0.0, step)
+    writer.add_scalar("Avg samples per sec", rate, step)
+    if val["example"] is not None and "t2m" in val["rmse"]:
+        from utils.plots import target_vs_prediction
+
+        writer.add_figure("Predictions/t2m", target_vs_prediction(*val["example"], "t2m"), step)
+    writer.flush()
+    record = {"epoch": epoch + 1, "step": step, "train_loss": train_loss, "val_loss": val["loss"],
+              "samples_per_sec": rate, "epoch_seconds": seconds,
+              "rmse": val["rmse"], "persistence": val["persistence"]}
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer,
+                  device: torch.device) -> dict[str, float]:
+    """What this rank holds (MiB), on every device; the allocator's peak on CUDA."""
+    params = list(model.parameters())
+    report = {
+        "parameters_MiB": sum(p.numel() * p.element_size() for p in params) / MIB,
+        "gradients_MiB": sum(p.numel() * p.element_size() for p in params if p.requires_grad) / MIB,
+        "optimizer_MiB": sum(v.numel() * v.element_size() for s in optimizer.state.values()
+                             for v in s.values() if torch.is_tensor(v)) / MIB,
+    }
+    peak = dev.peak_memory_bytes(device)
+    if peak is not None:
+        report["allocator_peak_MiB"] = peak / MIB
+    return report
+
+
+def log_memory(writer: SummaryWriter | None, step: int, model: nn.Module,
+               optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    mem = memory_report(model, optimizer, device)
+    log.info("  Memory per rank (MiB): %s", ", ".join(f"{k[:-4]} {v:.1f}" for k, v in mem.items()))
+    if writer is not None:
+        for k, v in mem.items():
+            writer.add_scalar(f"Memory/{k}", v, step)
+        writer.flush()
+    dev.reset_peak_memory(device)
