@@ -1,6 +1,6 @@
 # Source inside each Slurm task (`srun bash -c 'source export_DDP_vars.sh && python ...'`):
 # copies Slurm's task numbering into the names torchrun uses. Optional for train.py,
-# which reads the SLURM_* names itself (utils/distributed.py), but handy for other tools.
+# which reads the SLURM_* names itself (distributed/env.py), but handy for other tools.
 export RANK=${SLURM_PROCID:?not inside a Slurm task}
 export LOCAL_RANK=${SLURM_LOCALID:-0}
 export WORLD_SIZE=${SLURM_NTASKS:-1}

@@ -14,7 +14,7 @@
 : "${DATADIR:=/pscratch/sd/s/shas1693/data/sc23_tutorial_data/downsampled}"
 if [ -n "${SCRATCH:-}" ]; then : "${LOGDIR:=$SCRATCH/era5-vit/logs}"; else : "${LOGDIR:=$REPO/logs}"; fi
 : "${IMAGE:=nersc/pytorch:ngc-23.07-v0}"
-EXIT_STOPPED=75  # utils/preemption.py: stopped on a signal after writing the checkpoint
+EXIT_STOPPED=75  # utils/signals.py: stopped on a signal after writing the checkpoint
 
 # HDF5's file locks fail or serialise reads on Lustre and DVS mounts; the data is read-only.
 export HDF5_USE_FILE_LOCKING=FALSE

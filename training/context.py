@@ -11,6 +11,10 @@ import torch
 from distributed.mesh import ParallelMesh
 
 
+class TrainingError(RuntimeError):
+    """Training cannot go on (for example the loss became NaN)."""
+
+
 @dataclass(frozen=True)
 class RunContext:
     device: torch.device

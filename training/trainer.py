@@ -28,22 +28,17 @@ from distributed.parallelize import parallelize
 from distributed.stop import StopAgreement
 from distributed.tags import unwrap
 from networks.vit import build_vit, count_parameters
-from training import reporting
-from training.context import RunContext
+from training import reporting, validation
+from training.context import RunContext, TrainingError
 from utils import checkpoint as ckpt
 from utils import device as dev
 from utils.config import Config
 from utils.data_loader import Batches, get_data_loader
-from utils.era5 import CHANNELS
-from utils.metrics import latitude_weights, relative_l2_loss, relative_l2_per_sample, weighted_rmse_per_sample
+from utils.metrics import latitude_weights, relative_l2_loss
 from utils.profiling import ProfilingWindow
 from utils.signals import received
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (for example the loss became NaN)."""
 
 
 def make_lr_lambda(cfg: Config):
@@ -163,42 +158,18 @@ class Trainer:
                 self.save_checkpoint()
         return done
 
-    @torch.no_grad()
     def validate(self) -> dict[str, Any]:
-        """Loss and latitude-weighted RMSE per channel, averaged over every validation
-        sample of every data-parallel rank (by sample count, not by step count)."""
+        """Loss and RMSE over every validation sample of every data-parallel rank."""
         self.model.eval()
-        n_out = self.cfg.n_out_channels
-        # sums: [loss, count, rmse(C), persistence rmse(C)]
-        sums = torch.zeros(2 + 2 * n_out, device=self.device, dtype=torch.float64)
-        example = None
         self.valid_data.set_epoch(0)
-        for inp, tar in self.valid_data:
-            inp, tar = self.to_device(inp, tar)
+
+        def predict(inp: torch.Tensor) -> torch.Tensor:
             with dev.autocast(self.device, self.cfg.amp_mode):
-                pred = self.model(inp)
-            pred = pred.float()
-            b = inp.shape[0]
-            sums[0] += relative_l2_per_sample(pred, tar).sum()
-            sums[1] += b
-            sums[2 : 2 + n_out] += weighted_rmse_per_sample(pred, tar, self.lat_weights).sum(0)
-            persistence = inp[:, :n_out]
-            sums[2 + n_out :] += weighted_rmse_per_sample(persistence, tar, self.lat_weights).sum(0)
-            if example is None:
-                example = (pred[0].cpu(), tar[0].cpu())
-        all_reduce_sum(sums, self.ctx.dp_group)
-        count = sums[1].item()
-        if count == 0:
-            raise TrainingError("the validation set is empty on every rank")
-        rmse = (sums[2 : 2 + n_out] / count).tolist()
-        pers = (sums[2 + n_out :] / count).tolist()
-        return {
-            "loss": sums[0].item() / count,
-            "samples": int(count),
-            "rmse": dict(zip(CHANNELS[:n_out], rmse)),
-            "persistence": dict(zip(CHANNELS[:n_out], pers)),
-            "example": example,
-        }
+                return self.model(inp)
+
+        batches = (self.to_device(inp, tar) for inp, tar in self.valid_data)
+        return validation.evaluate(predict, batches, self.cfg.n_out_channels, self.lat_weights,
+                                   self.ctx.dp_group)
 
     # --------------------------------------------------------------- checkpoints ---
     @property

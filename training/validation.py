@@ -1,0 +1,51 @@
+"""Validation: the loss and the latitude-weighted RMSE per channel, next to persistence.
+
+Averages are over every validation sample of every data-parallel rank, weighted by
+sample count (not by step count), so the numbers do not depend on the number of ranks.
+Persistence (predicting that nothing changes in 6 hours) is the baseline a forecast
+must beat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from distributed.env import all_reduce_sum
+from training.context import TrainingError
+from utils.era5 import CHANNELS
+from utils.metrics import relative_l2_per_sample, weighted_rmse_per_sample
+
+
+@torch.no_grad()
+def evaluate(predict: Callable[[torch.Tensor], torch.Tensor],
+             batches: Iterable[tuple[torch.Tensor, torch.Tensor]], n_out: int,
+             lat_weights: torch.Tensor, dp_group: Any = None) -> dict[str, Any]:
+    """Run ``predict`` over ``batches`` (input, target on the device); one all-reduce at the end."""
+    # sums: [loss, count, rmse(C), persistence rmse(C)]
+    sums = torch.zeros(2 + 2 * n_out, device=lat_weights.device, dtype=torch.float64)
+    example = None
+    for inp, tar in batches:
+        pred = predict(inp).float()
+        sums[0] += relative_l2_per_sample(pred, tar).sum()
+        sums[1] += inp.shape[0]
+        sums[2 : 2 + n_out] += weighted_rmse_per_sample(pred, tar, lat_weights).sum(0)
+        persistence = inp[:, :n_out]
+        sums[2 + n_out :] += weighted_rmse_per_sample(persistence, tar, lat_weights).sum(0)
+        if example is None:
+            example = (pred[0].cpu(), tar[0].cpu())
+    all_reduce_sum(sums, dp_group)
+    count = sums[1].item()
+    if count == 0:
+        raise TrainingError("the validation set is empty on every rank")
+    rmse = (sums[2 : 2 + n_out] / count).tolist()
+    pers = (sums[2 + n_out :] / count).tolist()
+    return {
+        "loss": sums[0].item() / count,
+        "samples": int(count),
+        "rmse": dict(zip(CHANNELS[:n_out], rmse)),
+        "persistence": dict(zip(CHANNELS[:n_out], pers)),
+        "example": example,
+    }
