@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 DATA   := data/synthetic
 CONFIG ?= tiny
 
-.PHONY: venv data train test lint clean-logs exercise
+.PHONY: venv data train test test-compat lint clean-logs exercise
 
 venv: $(STAMP)
 
@@ -34,6 +34,24 @@ lint: venv
 # files whose module fixtures start ranks or a Slurm cluster stay on one worker (xdist_group)
 test: venv lint
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
+
+# the suite again on the oldest supported torch (2.8.0, what NERSC's containers carry), in a
+# second environment: .venv-compat, the CUDA build from the package index (about 3.5 GB; it
+# runs on a CPU). COMPAT_TORCH=2.11.0 make test-compat tries another version.
+COMPAT_VENV  := .venv-compat
+COMPAT_TORCH ?= 2.8.0
+COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(COMPAT_TORCH)
+
+$(COMPAT_STAMP): requirements.txt
+	@test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	grep -v '^torch==' requirements.txt > $(COMPAT_VENV)/requirements-no-torch.txt
+	$(COMPAT_VENV)/bin/python -m pip install --quiet torch==$(COMPAT_TORCH) -r $(COMPAT_VENV)/requirements-no-torch.txt
+	@rm -f $(COMPAT_VENV)/.installed-*
+	@touch $@
+
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT_VENV)/bin/python -m pytest -n 2 --dist loadgroup
 
 clean-logs:
 	rm -rf logs

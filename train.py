@@ -10,8 +10,12 @@ is the lesson's entry point.
 
 import sys
 
-from training.launcher import main
-from training.trainer import Trainer
+from utils.compat import require_supported_torch
+
+require_supported_torch()  # before anything that needs a newer torch is imported
+
+from training.launcher import main  # noqa: E402
+from training.trainer import Trainer  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(Trainer, description=__doc__.split("\n\n")[0]))

@@ -10,9 +10,13 @@ Flags are train.py's. Without CUDA the script exits with a one-line message.
 
 import sys
 
-from training.graphs import GraphTrainer
-from training.launcher import main
-from utils import device as dev
+from utils.compat import require_supported_torch
+
+require_supported_torch()  # before anything that needs a newer torch is imported
+
+from training.graphs import GraphTrainer  # noqa: E402
+from training.launcher import main  # noqa: E402
+from utils import device as dev  # noqa: E402
 
 if __name__ == "__main__":
     dev.require_cuda("CUDA Graphs")

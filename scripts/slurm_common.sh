@@ -6,14 +6,19 @@
 # overridable from the environment at submission (sbatch exports it to the job):
 #   DATADIR   ERA5 folder (train/, valid/, stats/)       default: the tutorial's copy on Perlmutter
 #   LOGDIR    root of the run directories                 default: $SCRATCH/era5-vit/logs or ./logs
-#   IMAGE     Shifter image, used when `shifter` exists   default: the tutorial's PyTorch container
+#   IMAGE     Shifter image, used when `shifter` exists   default: nersc/pytorch:25.06.01 (torch 2.8)
+#   SHIFTER_MODULES  shifter modules                       default: gpu,nccl-plugin (Slingshot NCCL)
+#   NATIVE=1  run with PYTHON (a venv) even where shifter exists
 #   ENABLE_PROFILING=1 PROFILE_OUTPUT=name   run under `nsys profile` (output in $LOGDIR)
 #   REQUEUE=1  when training stops on a signal (status 75) the job is put back in the queue
 #   PYTHON    interpreter outside a container             default: REPO/.venv/bin/python, else python3
 
 : "${DATADIR:=/pscratch/sd/s/shas1693/data/sc23_tutorial_data/downsampled}"
 if [ -n "${SCRATCH:-}" ]; then : "${LOGDIR:=$SCRATCH/era5-vit/logs}"; else : "${LOGDIR:=$REPO/logs}"; fi
-: "${IMAGE:=nersc/pytorch:ngc-23.07-v0}"
+# A current NERSC PyTorch image (SC25's): its torch (2.8) is in the supported range; SC23's
+# ngc-23.07-v0 is far older than the APIs this code calls.
+: "${IMAGE:=nersc/pytorch:25.06.01}"
+: "${SHIFTER_MODULES:=gpu,nccl-plugin}"
 EXIT_STOPPED=75  # utils/signals.py: stopped on a signal after writing the checkpoint
 
 # HDF5's file locks fail or serialise reads on Lustre and DVS mounts; the data is read-only.
@@ -38,12 +43,16 @@ run_training() {
     local out="$LOGDIR/${PROFILE_OUTPUT:-profile}"
     [ "${SLURM_NTASKS:-1}" -gt 1 ] && out="${out}_rank%q{SLURM_PROCID}"  # one report per rank
     profile=(nsys profile --trace=cuda,cublas,nvtx --kill none -c cudaProfilerApi -f true -o "$out")
+    # a graph replay is one launch: show the kernels inside it
+    [ "$entry" = train_graph.py ] && profile+=(--cuda-graph-trace=node)
   fi
-  if command -v shifter >/dev/null 2>&1; then
+  local runner=()
+  if [ "${NATIVE:-0}" != 1 ] && command -v shifter >/dev/null 2>&1; then
     # pip install --user inside this image goes to its own folder, not the host's ~/.local
     export PYTHONUSERBASE="$HOME/.local/perlmutter/${IMAGE//[:\/]/_}"
-    cmd=(shifter --image="$IMAGE" --volume="$DATADIR:/data;$LOGDIR:/logs"
-         bash -c 'source ./export_DDP_vars.sh && exec "$@"' rank "${profile[@]}" python "$entry" "$@")
+    runner=(shifter --image="$IMAGE" --module="$SHIFTER_MODULES" --volume="$DATADIR:/data;$LOGDIR:/logs")
+    cmd=("${runner[@]}" bash -c 'source ./export_DDP_vars.sh && exec "$@"' rank "${profile[@]}" python "$entry" "$@")
+    runner+=(python)
   else
     local python=${PYTHON:-}
     if [ -z "$python" ]; then
@@ -57,8 +66,11 @@ run_training() {
     # (flags given to this script come later and win)
     cmd=(bash -c 'source ./export_DDP_vars.sh && exec "$@"' rank "${profile[@]}" "$python" "$entry"
          --data_dir "$DATADIR" --expdir "$LOGDIR" "$@")
+    runner=("$python")
   fi
   cd "$REPO" || return 1
+  # once, on the job's first node: what the job runs on, before anything can fail
+  "${runner[@]}" scripts/versions.py || return 2
   set -x
   "${launcher[@]}" "${cmd[@]}"
   rc=$?

@@ -55,9 +55,14 @@ def cfg_factory(data_dir, tmp_path):
     return factory
 
 
-def subprocess_env(**extra: str) -> dict[str, str]:
-    """Environment for running the project's scripts in a child process."""
+def subprocess_env(gpus: bool = False, **extra: str) -> dict[str, str]:
+    """Environment for running the project's scripts in a child process. Without ``gpus`` the
+    GPUs are hidden: the CPU tests start several ranks, which must not share one GPU."""
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("SLURM_")}
-    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, **extra)
+    # PYTHON: the submit scripts' interpreter outside a container; this one, so that the suite run
+    # with another torch (make test-compat) tests that torch there too
+    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}, **extra)
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env

@@ -16,7 +16,11 @@ replays them with a single call. What changes against the plain Trainer, all her
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from training.context import RunContext
@@ -29,12 +33,20 @@ DDP_WARMUP_STEPS = 11  # PyTorch's CUDA graph notes: at least 11 eager DDP itera
 
 
 class GraphTrainer(Trainer):
+    """The Trainer with the step captured once and replayed.
+
+    One side stream serves the whole run: DDP is constructed on it (PyTorch's CUDA graph
+    notes require DDP to be built in a side-stream context before capturing a full
+    backward), the eager warm-up steps run on it, and the capture records on it.
+    """
+
     autocast_cache = False  # cached casts would be freed with the capture's memory pool
 
     def __init__(self, cfg: Config, ctx: RunContext, local_batch: int) -> None:
         if cfg.amp_mode == "fp16":
             raise ValueError("train_graph.py supports amp_mode none or bf16: fp16's GradScaler "
                              "checks for inf on the host, which a CUDA graph cannot capture")
+        self.stream = dev.new_stream(ctx.device)
         super().__init__(cfg, ctx, local_batch)
         ddp = isinstance(self.model, DistributedDataParallel)
         self.warmup_steps = DDP_WARMUP_STEPS if ddp else EAGER_WARMUP_STEPS
@@ -42,17 +54,24 @@ class GraphTrainer(Trainer):
         self.graph = None
         self.static_inp = self.static_tar = self.static_loss = None
 
+    def build_model(self) -> nn.Module:
+        with dev.on_stream(self.stream, self.device):
+            return super().build_model()
+
     def build_optimizer(self) -> torch.optim.Optimizer:
         lr = torch.tensor(self.cfg.lr, device=self.device)  # the scheduler fills it in place
         return torch.optim.Adam(self.model.parameters(), lr=lr, betas=self.cfg.adam_betas,
                                 fused=self.cfg.enable_fused or None, capturable=True)
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        keep_lr_tensors(self.optimizer, lambda: super(GraphTrainer, self).load_optimizer_state(state))
 
     def capture(self, inp: torch.Tensor, tar: torch.Tensor) -> None:
         """Record one step on static buffers; gradients are allocated inside the graph."""
         self.static_inp, self.static_tar = inp.clone(), tar.clone()
         self.optimizer.zero_grad(set_to_none=True)
         self.graph = dev.new_cuda_graph()
-        with dev.graph_capture(self.graph):
+        with dev.graph_capture(self.graph, self.stream):
             loss = self.forward_loss(self.static_inp, self.static_tar)
             loss.backward()
             self.optimizer.step()
@@ -60,7 +79,7 @@ class GraphTrainer(Trainer):
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         if self.graph is None and self.eager_steps < self.warmup_steps:
-            with dev.side_stream(self.device):
+            with dev.on_stream(self.stream, self.device):
                 loss = super().train_step(inp, tar)
             self.eager_steps += 1
             return loss
@@ -72,3 +91,20 @@ class GraphTrainer(Trainer):
             self.graph.replay()
         self.scheduler.step()
         return self.static_loss.clone()  # the next replay overwrites static_loss
+
+
+def keep_lr_tensors(optimizer: torch.optim.Optimizer, load: Callable[[], None]) -> None:
+    """Run ``load`` (an optimizer.load_state_dict) without replacing the learning-rate tensors.
+
+    A captured graph reads each param group's ``lr`` tensor at a fixed address; loading a
+    state dict would put the checkpoint's tensor (or float) in its place, so the graph would
+    keep reading the old one and the schedule would silently freeze. The loaded value is
+    copied into the original tensor instead.
+    """
+    originals = [group["lr"] for group in optimizer.param_groups]
+    load()
+    for group, lr in zip(optimizer.param_groups, originals):
+        loaded = group["lr"]
+        with torch.no_grad():
+            lr.fill_(loaded.item() if torch.is_tensor(loaded) else loaded)
+        group["lr"] = lr

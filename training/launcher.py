@@ -108,7 +108,7 @@ def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunC
     meshes.check_sizes(env.world_size, sizes, cfg.parallel_order)
     meshes.check_model(cfg)
     dev.set_cpu_threads(env.local_world_size)
-    device = dev.pick_device(env.local_rank)
+    device = dev.pick_device(env.local_rank, env.local_world_size)
     init_distributed(env, device)
     mesh = meshes.build_mesh(sizes, cfg.parallel_order, device.type)
     run_dir = run_dir_for(cfg, args.config, args.run_num, mesh, model_parallel)
@@ -133,6 +133,7 @@ def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description:
         if ctx.is_main:
             write_resolved_config(cfg, ctx.run_dir, args.config)
         setup_logging(ctx.rank, ctx.run_dir / "out.log")
+        log.info("%s", dev.environment_summary(ctx.device))
         log.info("config %s on %s, %d rank(s); run directory %s", args.config, ctx.device,
                  ctx.world_size, ctx.run_dir)
         trainer = trainer_cls(cfg, ctx, local_batch)

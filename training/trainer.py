@@ -199,7 +199,7 @@ class Trainer:
             "step": self.step,
             "epoch_loss_sum": epoch_loss.item(),  # summed over data-parallel ranks
             "epoch_steps": self.epoch_steps,
-            "rng": {"device": dev.rng_state(), "numpy": np.random.get_state(),
+            "rng": {"device": dev.rng_state(self.device), "numpy": np.random.get_state(),
                     "python": random.getstate()},
             "config": self.cfg.to_dict(),
         }
@@ -221,7 +221,7 @@ class Trainer:
         # the epoch's loss sum so far goes to one rank, so the epoch-end reduction counts it once
         self.epoch_loss.fill_(state["epoch_loss_sum"] if self.ctx.dp_rank == 0 else 0.0)
         self.epoch_steps = state["epoch_steps"]
-        dev.set_rng_state(state["rng"]["device"])
+        dev.set_rng_state(state["rng"]["device"], self.device)
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
         log.info("resumed from %s at step %d", path, self.step)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from utils import device as dev
 from utils.config import Config
 from utils.data_loader import DataError, ERA5Dataset, ShardedSampler, get_data_loader
 
@@ -158,7 +159,10 @@ class DALIBatches:
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
         out = torch.empty(dense.shape(), dtype=torch.float32, device=self.device)
-        feed_ndarray(dense, out)  # device-to-device copy on DALI's side
+        # device-to-device copy, queued on torch's current stream as DALI's own PyTorch
+        # iterator does: on another stream it could overwrite memory that kernels already
+        # queued on torch's stream still read
+        feed_ndarray(dense, out, cuda_stream=dev.current_stream_handle(self.device))
         return out
 
     def close(self) -> None:

@@ -23,13 +23,22 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def pick_device(local_rank: int = 0) -> torch.device:
-    """The GPU of this local rank when CUDA is there, else the CPU."""
-    if cuda_available():
-        index = local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+def pick_device(local_rank: int = 0, local_world_size: int = 1) -> torch.device:
+    """The GPU of this local rank when CUDA is there, else the CPU.
+
+    One GPU per rank: two ranks on one GPU fail in NCCL (or run slowly and share memory),
+    so more ranks on a node than visible GPUs is a user mistake, reported in one line.
+    """
+    if not cuda_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_world_size > count:
+        raise ValueError(f"{local_world_size} ranks on this node but {count} visible GPU(s) "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                         f"start at most one rank per GPU (--nproc_per_node / --ntasks-per-node), "
+                         f"or hide the GPUs with CUDA_VISIBLE_DEVICES= to train on the CPU")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def backend_for(device: torch.device) -> str:
@@ -88,17 +97,19 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device) -> dict:
+    """The CPU generator's state and, on a GPU, that of this rank's device only: saving one per
+    visible GPU (get_rng_state_all) would fail to load where fewer GPUs are visible."""
     state = {"torch": torch.get_rng_state()}
-    if cuda_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda_device"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and cuda_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device.type == "cuda" and "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"], device)
 
 
 @contextlib.contextmanager
@@ -136,22 +147,62 @@ def require_cuda(feature: str) -> None:
                          f"Run train.py instead.")
 
 
+def new_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
 @contextlib.contextmanager
-def side_stream(device: torch.device) -> Iterator[None]:
-    """Run the block on a fresh CUDA stream that starts after, and is joined back into, the
-    current one (CUDA graph warm-up must not run on the default stream)."""
+def on_stream(stream: torch.cuda.Stream, device: torch.device) -> Iterator[None]:
+    """Run the block on ``stream`` (a side stream kept for the whole run), ordered after the
+    work already queued on the current stream and joined back into it afterwards."""
     current = torch.cuda.current_stream(device)
-    stream = torch.cuda.Stream(device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         yield
     current.wait_stream(stream)
 
 
+def current_stream_handle(device: torch.device) -> int:
+    """The raw cudaStream_t of torch's current stream (for libraries such as DALI)."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def new_cuda_graph() -> torch.cuda.CUDAGraph:
     return torch.cuda.CUDAGraph()
 
 
-def graph_capture(graph: torch.cuda.CUDAGraph) -> contextlib.AbstractContextManager:
-    """Record the CUDA work of the block into ``graph`` instead of running it."""
-    return torch.cuda.graph(graph)
+def graph_capture(graph: torch.cuda.CUDAGraph,
+                  stream: torch.cuda.Stream) -> contextlib.AbstractContextManager:
+    """Record the CUDA work of the block, queued on ``stream``, into ``graph`` instead of running it.
+
+    ``thread_local``: capture forbids unsafe CUDA calls (cudaMalloc, cudaHostAlloc, ...) only
+    in this thread. The default ("global") would also fail the DataLoader's pin-memory
+    thread, which allocates pinned host memory while we capture in the middle of an epoch.
+    """
+    return torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local")
+
+
+def environment_summary(device: torch.device) -> str:
+    """Versions of torch, CUDA, NCCL and DALI, and the GPUs, for the top of a job's log."""
+    parts = [f"torch {torch.__version__}"]
+    if device.type == "cuda":
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        parts += [f"CUDA {torch.version.cuda}", f"NCCL {nccl}",
+                  f"{torch.cuda.device_count()} GPU(s): {', '.join(names)}"]
+    else:
+        parts.append(f"CPU only, {torch.get_num_threads()} threads")
+    parts.append(f"DALI {dali_version() or 'not installed'}")
+    return "; ".join(parts)
+
+
+def dali_version() -> str | None:
+    """The installed DALI's version, read from package metadata (importing DALI takes seconds)."""
+    from importlib import metadata
+
+    for cuda in ("130", "120", "110"):
+        try:
+            return metadata.version(f"nvidia-dali-cuda{cuda}")
+        except metadata.PackageNotFoundError:
+            continue
+    return None

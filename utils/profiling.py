@@ -2,12 +2,13 @@
 
 The window is ``profile_num_steps`` steps from batch ``profile_start_step`` of epoch
 ``profile_epoch`` (0-based; without ``profile_num_steps``, to the end of the epoch or of
-training). At its edges rank 0 calls ``cudaProfilerStart`` / ``cudaProfilerStop``, so
+training). At its edges every rank calls ``cudaProfilerStart`` / ``cudaProfilerStop``, so
 
     nsys profile -c cudaProfilerApi --trace cuda,nvtx python train.py ...
 
 records exactly those steps with their NVTX ranges (step, data copy in, forward,
-backward, optimizer). With ``profile: True`` (``--profile``) every rank also records a
+backward, optimizer), one report per rank when every rank runs under nsys (the submit
+scripts do that; a rank without nsys is not affected by the calls). With ``profile: True`` (``--profile``) every rank also records a
 torch.profiler trace of the same steps, on CPU and GPU alike, into
 ``RUN_DIR/profile/rank<N>.<time>.pt.trace.json``: open it in Perfetto
 (https://ui.perfetto.dev) or in TensorBoard with the torch-tb-profiler plugin.
@@ -80,15 +81,13 @@ class ProfilingWindow:
                                                                worker_name=f"rank{self.rank}")
             self._torch_prof = torch.profiler.profile(activities=activities, on_trace_ready=handler)
             self._torch_prof.start()
-        if self.rank == 0:
-            dev.cuda_profiler_start()
+        dev.cuda_profiler_start()  # every rank: each rank's nsys waits for its own start
         log.info("profiling window opened (epoch %d, step %d)", self.epoch, self.first)
 
     def _stop(self) -> None:
         self._open = False
         dev.synchronize(self.device)
-        if self.rank == 0:
-            dev.cuda_profiler_stop()
+        dev.cuda_profiler_stop()
         if self._torch_prof is not None:
             self._torch_prof.stop()  # writes the trace through the handler
             self._torch_prof = None

@@ -1,0 +1,149 @@
+"""The GPU paths' logic, checked on CPU: streams, graph capture, RNG state, device choice,
+the learning-rate tensor of captured Adam, the profiler window, the torch floor."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO, subprocess_env
+from training import graphs
+from training.context import RunContext
+from utils import compat
+from utils import device as dev
+from utils.profiling import ProfilingWindow
+
+
+def test_more_local_ranks_than_gpus_is_a_one_line_error(monkeypatch):
+    monkeypatch.setattr(dev, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="2 ranks on this node but 1 visible GPU"):
+        dev.pick_device(local_rank=1, local_world_size=2)
+
+
+def test_rng_state_saves_only_this_ranks_gpu(monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: asked.append(device) or torch.ones(3))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: asked.append(("set", device)))
+    gpu = torch.device("cuda", 1)
+    state = dev.rng_state(gpu)
+    assert asked == [gpu] and set(state) == {"torch", "cuda_device"}
+    dev.set_rng_state(state, gpu)
+    assert asked[-1] == ("set", gpu)
+    assert set(dev.rng_state(torch.device("cpu"))) == {"torch"}
+    # a checkpoint written on a GPU resumes on a CPU (its GPU state is ignored there)
+    dev.set_rng_state(state, torch.device("cpu"))
+
+
+def test_graph_capture_is_thread_local_on_the_given_stream(monkeypatch):
+    seen = {}
+
+    class FakeGraphContext:
+        def __init__(self, graph, **kwargs):
+            seen.update(kwargs, graph=graph)
+
+    monkeypatch.setattr(torch.cuda, "graph", FakeGraphContext)
+    dev.graph_capture("g", stream="s")
+    assert seen == {"graph": "g", "stream": "s", "capture_error_mode": "thread_local"}
+
+
+def test_loading_optimizer_state_keeps_the_lr_tensor():
+    """A captured graph reads the lr tensor at a fixed address: it must survive a resume."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    lr = torch.tensor(0.1)
+    opt = torch.optim.Adam([param], lr=lr, foreach=False)
+    saved = opt.state_dict()
+    saved["param_groups"][0]["lr"] = torch.tensor(0.025)  # a checkpoint's own (CPU) tensor
+    graphs.keep_lr_tensors(opt, lambda: opt.load_state_dict(saved))
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(0.025)
+    saved["param_groups"][0]["lr"] = 0.5  # or a float
+    graphs.keep_lr_tensors(opt, lambda: opt.load_state_dict(saved))
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(0.5)
+
+
+def test_graph_trainer_uses_one_side_stream_for_ddp_warmup_and_capture(cfg_factory, tmp_path, monkeypatch):
+    """DDP is built, the warm-up runs and the capture records on one persistent side stream."""
+    events = []
+    stream = object()
+    inside = []
+
+    @contextlib.contextmanager
+    def on_stream(s, device):
+        inside.append(s)
+        yield
+        inside.pop()
+
+    class FakeGraph:
+        def replay(self):
+            events.append("replay")
+
+    @contextlib.contextmanager
+    def capture(graph, s):
+        events.append(("capture", s))
+        yield
+
+    real_parallelize = graphs.Trainer.build_model.__globals__["parallelize"]
+
+    def parallelize(*args, **kwargs):
+        events.append(("parallelize", tuple(inside)))
+        return real_parallelize(*args, **kwargs)
+
+    monkeypatch.setattr(dev, "new_stream", lambda device: stream)
+    monkeypatch.setattr(dev, "on_stream", on_stream)
+    monkeypatch.setattr(dev, "new_cuda_graph", FakeGraph)
+    monkeypatch.setattr(dev, "graph_capture", capture)
+    monkeypatch.setitem(graphs.Trainer.build_model.__globals__, "parallelize", parallelize)
+    monkeypatch.setattr(graphs.GraphTrainer, "build_optimizer",  # capturable Adam needs CUDA
+                        lambda self: torch.optim.Adam(self.model.parameters(), lr=1e-3))
+    cfg = cfg_factory(num_iters=graphs.EAGER_WARMUP_STEPS + 2)
+    trainer = graphs.GraphTrainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path), 4)
+    warmups = []
+    real_step = graphs.Trainer.train_step
+
+    def counted_step(self, inp, tar):
+        warmups.append(tuple(inside))
+        return real_step(self, inp, tar)
+
+    monkeypatch.setattr(graphs.Trainer, "train_step", counted_step)
+    trainer.fit()
+    assert events[0] == ("parallelize", (stream,))  # DDP would be constructed on the side stream
+    assert warmups == [(stream,)] * graphs.EAGER_WARMUP_STEPS
+    assert ("capture", stream) in events and events.count("replay") == 2
+
+
+def test_profiler_window_opens_on_every_rank(cfg_factory, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(dev, "cuda_profiler_start", lambda: calls.append("start"))
+    monkeypatch.setattr(dev, "cuda_profiler_stop", lambda: calls.append("stop"))
+    cfg = cfg_factory(profile_epoch=0, profile_start_step=1, profile_num_steps=1)
+    window = ProfilingWindow(cfg, torch.device("cpu"), tmp_path, rank=3, steps_per_epoch=4)
+    for batch in range(3):
+        with window.step(0, batch, batch):
+            pass
+    assert calls == ["start", "stop"]  # rank 3 too: each rank's nsys waits for its own start
+
+
+@pytest.mark.parametrize("version, ok", [("2.13.0+cpu", True), ("2.8.0a0+5228986c39.nv25.06", True),
+                                         ("2.7.1", False), ("1.13.1", False)])
+def test_torch_floor(version, ok):
+    problem = compat.check_torch(version)
+    assert (problem is None) == ok
+    if not ok:
+        assert f"PyTorch {version} is too old: this code needs 2.8 or newer" in problem
+
+
+def test_an_old_torch_gets_one_line_before_anything_is_imported(tmp_path):
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("__version__ = '2.1.0'\n")  # a stand-in for an old install
+    env = subprocess_env()
+    env["PYTHONPATH"] = f"{tmp_path}:{REPO}"
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", "tiny"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: PyTorch 2.1.0 is too old: this code needs 2.8 or newer; {compat.INSTALL_HINT}"]

@@ -1,0 +1,69 @@
+"""scripts/slurm_common.sh without a cluster: what it would start, with srun, nsys and shifter faked.
+
+(tests/test_slurm.py runs the scripts on a real local Slurm; these check the command lines
+that only Perlmutter would run.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, subprocess_env
+
+
+def fake(bin_dir: Path, name: str, log: Path, status: int = 0) -> None:
+    """An executable that appends its arguments, one line per call, to ``log``."""
+    script = bin_dir / name
+    script.write_text(f'#!/bin/bash\necho "{name} $*" >> {log}\nexit {status}\n')
+    script.chmod(0o755)
+
+
+def run_training(tmp_path: Path, entry: str, with_shifter: bool, **env: str) -> list[str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    log = tmp_path / "calls.log"
+    for name in ("srun", "nsys") + (("shifter",) if with_shifter else ()):
+        fake(bin_dir, name, log)
+    environ = subprocess_env(PATH=f"{bin_dir}:{os.environ['PATH']}", LOGDIR=str(tmp_path / "logs"),
+                             SLURM_JOB_ID="123", **env)
+    script = f'REPO={REPO}; source scripts/slurm_common.sh && run_training {entry} --config tiny'
+    result = subprocess.run(["bash", "-c", script], cwd=REPO, env=environ, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.parametrize("entry, graph_trace", [("train_graph.py", True), ("train.py", False)])
+def test_nsys_traces_graph_nodes_for_graph_runs(tmp_path, entry, graph_trace):
+    calls = run_training(tmp_path, entry, with_shifter=False, ENABLE_PROFILING="1")
+    srun = [c for c in calls if c.startswith("srun ")]
+    assert len(srun) == 1 and " nsys profile " in srun[0] and "-c cudaProfilerApi" in srun[0]
+    assert ("--cuda-graph-trace=node" in srun[0]) == graph_trace
+
+
+def test_the_container_is_a_supported_nersc_image_with_the_nccl_plugin(tmp_path):
+    calls = run_training(tmp_path, "train.py", with_shifter=True)
+    image = "shifter --image=nersc/pytorch:25.06.01 --module=gpu,nccl-plugin"
+    # first the versions line (once, in the container), then the training step
+    assert calls[0].startswith(image) and calls[0].endswith("python scripts/versions.py")
+    assert calls[1].startswith(f"srun --kill-on-bad-exit=1 -u {image} --volume=")
+    calls = run_training(tmp_path / "other", "train.py", with_shifter=True, IMAGE="my/torch:2.11")
+    assert calls[-1].startswith("srun --kill-on-bad-exit=1 -u shifter --image=my/torch:2.11 ")
+
+
+def test_versions_are_printed_before_training_natively(tmp_path):
+    calls = run_training(tmp_path, "train.py", with_shifter=False)
+    assert [c.split()[0] for c in calls] == ["srun"]  # versions.py ran with the venv's python
+    result = subprocess.run([sys.executable, "scripts/versions.py"], cwd=REPO,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("environment: torch ")
+
+
+def test_native_runs_even_where_shifter_exists(tmp_path):
+    calls = run_training(tmp_path, "train.py", with_shifter=True, NATIVE="1")
+    assert len(calls) == 1 and "shifter" not in calls[0] and f"{sys.executable} train.py" in calls[0]

@@ -1,0 +1,41 @@
+"""Differences between the supported PyTorch versions (2.8 to 2.13), in one place.
+
+Nothing else in the project branches on ``torch.__version__``. Each entry names the
+version that changed the behaviour it papers over.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import torch
+
+MIN_TORCH = (2, 8)
+TESTED_TORCH = ((2, 8), (2, 13))
+INSTALL_HINT = ("pip install 'torch>=2.8' (or `make venv`, which installs 2.13.0), or use a container "
+                "with PyTorch 2.8 or newer (on Perlmutter: nersc/pytorch:25.06.01)")
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of a version string such as '2.13.0+cpu' or '2.8.0a0+5228986c39.nv25.06'."""
+    m = re.match(r"(\d+)\.(\d+)", version or torch.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def check_torch(version: str | None = None) -> str | None:
+    """A one-line complaint when the torch found is older than the floor, else None."""
+    found = torch_version(version)
+    if found < MIN_TORCH:
+        need = ".".join(map(str, MIN_TORCH))
+        return (f"PyTorch {version or torch.__version__} is too old: this code needs {need} or newer; "
+                f"{INSTALL_HINT}")
+    return None
+
+
+def require_supported_torch() -> None:
+    """Stop with one line (no traceback) on a torch older than the floor."""
+    problem = check_torch()
+    if problem:
+        sys.stderr.write(f"error: {problem}\n")
+        raise SystemExit(2)
