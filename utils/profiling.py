@@ -8,8 +8,8 @@ training). At its edges every rank calls ``cudaProfilerStart`` / ``cudaProfilerS
 
 records exactly those steps with their NVTX ranges (step, data copy in, forward,
 backward, optimizer), one report per rank when every rank runs under nsys (the submit
-scripts do that; a rank without nsys is not affected by the calls). With ``profile: True`` (``--profile``) every rank also records a
-torch.profiler trace of the same steps, on CPU and GPU alike, into
+scripts do that; a rank without nsys is not affected by the calls). With ``profile: True``
+(``--profile``) every rank also records a torch.profiler trace of the same steps, on CPU and GPU alike, into
 ``RUN_DIR/profile/rank<N>.<time>.pt.trace.json``: open it in Perfetto
 (https://ui.perfetto.dev) or in TensorBoard with the torch-tb-profiler plugin.
 """
