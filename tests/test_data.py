@@ -1,6 +1,7 @@
 """Synthetic ERA5 generator and the dataset / sampler over it."""
 
 import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from scripts import make_synthetic_era5 as gen
-from tests.conftest import REPO, TEST_IMG, TEST_SAMPLES_PER_YEAR
+from tests.conftest import REPO, TEST_IMG, TEST_SAMPLES_PER_YEAR, subprocess_env
 from utils.data_loader import DataError, ERA5Dataset, ShardedSampler, get_data_loader
 from utils.era5 import CHANNELS, channel_index, latitudes
 
@@ -204,3 +205,20 @@ def test_make_data_regenerates_when_the_generator_changes(tmp_path):
     assert "make_synthetic_era5.py" not in dry_run()
     for changed in ("scripts/make_synthetic_era5.py", "utils/era5.py"):
         assert "make_synthetic_era5.py" in dry_run("-W", changed), changed
+
+
+def test_a_loader_with_workers_alive_at_exit_does_not_hang(data_dir):
+    """Workers ignore SIGTERM (so a group signal lets training checkpoint); multiprocessing's exit
+    handler would SIGTERM them and wait forever. The script keeps the loader until exit."""
+    code = f"""
+import sys
+from tests.conftest import make_cfg
+from utils.data_loader import get_data_loader
+cfg = make_cfg({str(data_dir)!r}, {str(data_dir)!r}, num_data_workers=2)
+loader, _, _ = get_data_loader(cfg, "train", 4, True)
+next(iter(loader))
+print("iterated", flush=True)
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "iterated", result.stderr

@@ -6,8 +6,10 @@ never cross a year boundary. Sample indices run over the year files in sorted or
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,6 +225,30 @@ class Batches:
         return iter(self.loader)
 
 
+# Loaders with worker processes, shut down before the interpreter's own exit handlers run.
+# Workers ignore the stop signals (utils/signals.py), so that a SIGTERM to the whole process
+# group lets the main process write its checkpoint; multiprocessing's exit handler stops
+# children with SIGTERM and then waits for them, which would wait forever. atexit runs the
+# last registered handler first, and this one is registered after torch imported
+# multiprocessing, so it runs first and asks the workers to finish as DataLoader itself does
+# when its iterator is garbage-collected.
+_LOADERS_WITH_WORKERS: weakref.WeakSet[DataLoader] = weakref.WeakSet()
+
+
+def shut_down_workers(loader: DataLoader) -> None:
+    """Stop a loader's worker processes now (they restart if the loader is iterated again)."""
+    iterator = getattr(loader, "_iterator", None)  # the persistent workers' iterator
+    if iterator is not None:
+        iterator._shutdown_workers()
+        loader._iterator = None
+
+
+@atexit.register
+def _shut_down_all_workers() -> None:
+    for loader in list(_LOADERS_WITH_WORKERS):
+        shut_down_workers(loader)
+
+
 def get_data_loader(cfg: Config, split: str, local_batch_size: int, train: bool,
                     num_shards: int = 1, shard_id: int = 0, pin_memory: bool = False
                     ) -> tuple[DataLoader, ERA5Dataset, ShardedSampler]:
@@ -251,4 +277,6 @@ def get_data_loader(cfg: Config, split: str, local_batch_size: int, train: bool,
         # dropout masks after a mid-epoch resume would differ from an uninterrupted run
         generator=torch.Generator().manual_seed(cfg.seed),
     )
+    if workers > 0:
+        _LOADERS_WITH_WORKERS.add(loader)
     return loader, dataset, sampler
