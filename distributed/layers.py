@@ -26,7 +26,7 @@ from torch import nn
 from distributed.mappings import copy_to, gather_from, gather_sequence, reduce_from, split_sizes
 from distributed.mesh import ParallelMesh
 from distributed.tags import tag
-from networks.vit import MLP, Attention
+from networks.vit import MLP, Attention, split_qkv
 
 
 def _shard(t: torch.Tensor, dim: int, mesh: ParallelMesh) -> nn.Parameter:
@@ -37,21 +37,16 @@ def _shard(t: torch.Tensor, dim: int, mesh: ParallelMesh) -> nn.Parameter:
 
 class ColumnParallelLinear(nn.Module):
     """y[:, my outputs] = x W[my outputs].T + b[my outputs]; weight and bias split along dim 0.
+    The input enters the tensor-parallel region through copy_to (backward: all-reduce)."""
 
-    ``copy_input=False`` when the caller already applied copy_to (attention shares one
-    copy_to between q, k and v so that backward does one all-reduce, not three).
-    """
-
-    def __init__(self, serial: nn.Linear, mesh: ParallelMesh, copy_input: bool = True) -> None:
+    def __init__(self, serial: nn.Linear, mesh: ParallelMesh) -> None:
         super().__init__()
-        self.group, self.copy_input = mesh.group("tp"), copy_input
+        self.group = mesh.group("tp")
         self.weight = tag(_shard(serial.weight, 0, mesh), shard_dim=0)
         self.bias = tag(_shard(serial.bias, 0, mesh), shard_dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.copy_input:
-            x = copy_to(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(copy_to(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -83,32 +78,25 @@ class DistributedMLP(nn.Module):
 class DistributedAttention(nn.Module):
     """Self-attention over this rank's heads (tp) for this rank's queries (cp).
 
-    Shapes on one rank: x (B, n, D) with n = its tokens -> q, k, v (B, n, D / tp) ->
-    k, v gathered over cp to (B, N, D / tp) -> heads (B, H / tp, ., head_dim) ->
-    attention (B, H / tp, n, head_dim) -> (B, n, D / tp) -> proj, summed over tp: (B, n, D).
-    The serial q, k, v outputs are head-major, so a contiguous slice is a set of whole heads.
+    Shapes on one rank: x (B, n, D) with n = its tokens -> qkv (B, n, 3D / tp), whole
+    heads because the serial projection is head-major -> q, k, v (B, n, H / tp, head_dim)
+    -> k, v gathered over cp to (B, N, H / tp, head_dim) -> attention per head
+    (B, H / tp, n, head_dim) -> (B, n, D / tp) -> proj, summed over tp: (B, n, D).
     """
 
     def __init__(self, serial: Attention, mesh: ParallelMesh, seq_sizes: list[int]) -> None:
         super().__init__()
-        self.tp_group, self.cp_group, self.seq_sizes = mesh.group("tp"), mesh.group("cp"), seq_sizes
+        self.cp_group, self.seq_sizes = mesh.group("cp"), seq_sizes
         self.head_dim = serial.head_dim
-        self.q = ColumnParallelLinear(serial.q, mesh, copy_input=False)
-        self.k = ColumnParallelLinear(serial.k, mesh, copy_input=False)
-        self.v = ColumnParallelLinear(serial.v, mesh, copy_input=False)
+        self.qkv = ColumnParallelLinear(serial.qkv, mesh)
         self.proj = RowParallelLinear(serial.proj, mesh)
         self.dropout = serial.dropout
 
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape  # (B, n, heads * head_dim) -> (B, heads, n, head_dim)
-        return x.view(b, n, -1, self.head_dim).transpose(1, 2)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to(x, self.tp_group)
-        q = self.q(x)
-        k = gather_sequence(self.k(x), 1, self.cp_group, self.seq_sizes)
-        v = gather_sequence(self.v(x), 1, self.cp_group, self.seq_sizes)
-        q, k, v = (self._split_heads(t) for t in (q, k, v))
+        q, k, v = split_qkv(self.qkv(x), self.head_dim)
+        k = gather_sequence(k, 1, self.cp_group, self.seq_sizes)
+        v = gather_sequence(v, 1, self.cp_group, self.seq_sizes)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
         b, _, n, _ = out.shape

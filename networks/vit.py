@@ -27,12 +27,30 @@ class PatchEmbed(nn.Module):
         return self.proj(x).flatten(2).transpose(1, 2)
 
 
-class Attention(nn.Module):
-    """Multi-head self-attention with separate q, k, v projections.
+def blocks_to_head_major(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows [q; k; v] (each num_heads x head_dim) -> head-major rows [h0: q k v, h1: q k v, ...].
 
-    Output features of q, k and v are laid out head-major (head 0's head_dim features,
-    then head 1's, ...), so a contiguous slice of them is a whole set of heads: this is
-    what lets tensor parallelism give each rank its own heads.
+    Works for the weight (3D, D), the bias (3D,) and anything shaped like them (Adam's moments).
+    """
+    rest = t.shape[1:]
+    return t.reshape(3, num_heads, -1, *rest).transpose(0, 1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, N, heads * 3 * head_dim), head-major -> q, k, v, each (B, N, heads, head_dim) (views)."""
+    b, n, _ = qkv.shape
+    return qkv.view(b, n, -1, 3, head_dim).unbind(3)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with one q/k/v projection (a single matmul).
+
+    The projection's 3 x dim output features are laid out head-major: head 0's q, k and v
+    (head_dim each), then head 1's, and so on. A contiguous slice of them is therefore a
+    whole set of heads with their queries, keys and values, which is what lets tensor
+    parallelism give each rank its own heads by splitting the rows. (A [q; k; v] layout
+    split the same way would give a rank the queries of some heads and the keys of others,
+    a known bug of fused-projection ViTs.)
     """
 
     def __init__(self, dim: int, num_heads: int, dropout: float = 0.0) -> None:
@@ -41,18 +59,13 @@ class Attention(nn.Module):
             raise ValueError(f"embed_dim {dim} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
-        self.v = nn.Linear(dim, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.dropout = dropout
 
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape  # (B, N, heads * head_dim) -> (B, heads, N, head_dim)
-        return x.view(b, n, -1, self.head_dim).transpose(1, 2)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (self._split_heads(f(x)) for f in (self.q, self.k, self.v))
+        # (B, N, D) -> q, k, v (B, heads, N, head_dim) -> attention -> (B, N, D)
+        q, k, v = (t.transpose(1, 2) for t in split_qkv(self.qkv(x), self.head_dim))
         p = self.dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
         b, _, n, _ = out.shape
@@ -138,6 +151,13 @@ class ViT(nn.Module):
                 fan_in = m.in_channels * math.prod(m.kernel_size)
                 nn.init.trunc_normal_(m.weight, std=1.0 / math.sqrt(fan_in))
                 nn.init.zeros_(m.bias)
+        # q/k/v weights are drawn as [q; k; v] blocks, as the three separate projections of
+        # the tutorial's original model were (so the same seed gives the same model), and
+        # stored head-major
+        with torch.no_grad():
+            for block in self.blocks.values():
+                w = block.attn.qkv.weight
+                w.copy_(blocks_to_head_major(w, block.attn.num_heads))
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         # (B, N, C * p * p) -> (B, C, H, W), token order row-major over the patch grid
@@ -173,3 +193,18 @@ def build_vit(cfg: Config) -> ViT:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def upgrade_state_dict(state: dict[str, torch.Tensor], num_heads: int) -> dict[str, torch.Tensor]:
+    """A state dict (or any per-parameter tensors) of the older layout with separate q, k and v
+    projections -> the fused head-major ``qkv``; other entries keep their order."""
+    out = {}
+    for name, t in state.items():
+        prefix, _, leaf = name.rpartition(".")  # "blocks.0.attn.q", "weight"
+        owner, _, proj = prefix.rpartition(".")
+        if proj not in ("q", "k", "v") or not owner.endswith("attn"):
+            out[name] = t
+        elif proj == "q":
+            parts = [state[f"{owner}.{p}.{leaf}"] for p in ("q", "k", "v")]
+            out[f"{owner}.qkv.{leaf}"] = blocks_to_head_major(torch.cat(parts), num_heads)
+    return out

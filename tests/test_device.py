@@ -147,3 +147,11 @@ def test_an_old_torch_gets_one_line_before_anything_is_imported(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: PyTorch 2.1.0 is too old: this code needs 2.8 or newer; {compat.INSTALL_HINT}"]
+
+
+def test_adam_runs_the_multi_tensor_path_unless_fused(cfg_factory, tmp_path):
+    for fused in (False, True):
+        trainer = graphs.Trainer(cfg_factory(enable_fused=fused),
+                                 RunContext(device=torch.device("cpu"), run_dir=tmp_path / str(fused)), 4)
+        group = trainer.optimizer.param_groups[0]
+        assert (bool(group["foreach"]), bool(group["fused"])) == (not fused, fused)

@@ -61,7 +61,7 @@ class GraphTrainer(Trainer):
     def build_optimizer(self) -> torch.optim.Optimizer:
         lr = torch.tensor(self.cfg.lr, device=self.device)  # the scheduler fills it in place
         return torch.optim.Adam(self.model.parameters(), lr=lr, betas=self.cfg.adam_betas,
-                                fused=self.cfg.enable_fused or None, capturable=True)
+                                **dev.adam_kernel(self.cfg.enable_fused), capturable=True)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         keep_lr_tensors(self.optimizer, lambda: super(GraphTrainer, self).load_optimizer_state(state))

@@ -30,6 +30,7 @@ from distributed.tags import unwrap
 from networks.vit import build_vit, count_parameters
 from training import reporting, validation
 from training.context import RunContext, TrainingError
+from training.upgrade import upgrade_checkpoint
 from utils import checkpoint as ckpt
 from utils import device as dev
 from utils.config import Config
@@ -104,7 +105,7 @@ class Trainer:
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.model.parameters(), lr=self.cfg.lr, betas=self.cfg.adam_betas,
-                                fused=self.cfg.enable_fused or None)
+                                **dev.adam_kernel(self.cfg.enable_fused))
 
     # --------------------------------------------------------------------- steps ---
     autocast_cache = True  # CUDA graph capture needs it off
@@ -211,7 +212,7 @@ class Trainer:
             log.info("checkpoint at step %d written to %s", self.step, self.checkpoint_path)
 
     def load_checkpoint(self, path: Path) -> None:
-        state = ckpt.load(path)
+        state = upgrade_checkpoint(ckpt.load(path), self.cfg.num_heads)
         self.load_model_state(state["model"])
         self.load_optimizer_state(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +15,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from utils.config import Config
 from utils.era5 import STATS_FILES
+from utils.sampler import ShardedSampler
 from utils.signals import ignore_in_worker
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ class ERA5Dataset(Dataset):
         self.files = find_year_files(self.data_dir, split, cfg)
         stats = load_stats(self.data_dir, cfg.n_in_channels)
         self.means, self.stds = stats["global_means"][0], stats["global_stds"][0]  # (C, 1, 1)
+        self.means_t, self.stds_t = torch.from_numpy(self.means), torch.from_numpy(self.stds)
         self.dt = cfg.dt
         self.img_size = cfg.img_size
         self.n_out = cfg.n_out_channels
@@ -147,6 +148,28 @@ class ERA5Dataset(Dataset):
         fields = self._fields(file_no)
         return fields[t, :, :h, :w], fields[t + self.dt, :, :h, :w]
 
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole batch at once (the DataLoader calls this instead of ``__getitem__`` per
+        sample): the raw fields are copied into two preallocated (B, C, H, W) tensors, then
+        normalised in place, one vectorised pass per operation over the batch (torch's, which
+        use every thread the process has). The float32 operations are those of
+        ``__getitem__``, so the values are the same bits; what is saved is the per-sample
+        numpy calls and the copy of collating samples into a batch.
+        """
+        h, w = self.img_size
+        inp = torch.empty(len(indices), len(self.means), h, w)
+        tar = torch.empty(len(indices), self.n_out, h, w)
+        inp_np, tar_np = inp.numpy(), tar.numpy()
+        for i, index in enumerate(indices):
+            file_no, t = self.locate(index)
+            fields = self._fields(file_no)
+            # h5py's fast path for plain slices returns a new array; copying it beats read_direct
+            inp_np[i] = fields[t, :, :h, :w]
+            tar_np[i] = fields[t + self.dt, : self.n_out, :h, :w]
+        inp.sub_(self.means_t).div_(self.stds_t)
+        tar.sub_(self.means_t[: self.n_out]).div_(self.stds_t[: self.n_out])
+        return inp, tar
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         # (x - mean) / std, in place: read_raw returns fresh arrays, and temporaries would
         # cost about a quarter more CPU per sample
@@ -159,52 +182,9 @@ class ERA5Dataset(Dataset):
         return torch.from_numpy(inp), torch.from_numpy(np.ascontiguousarray(tar))
 
 
-class ShardedSampler(Sampler[int]):
-    """Each of ``num_shards`` ranks takes every num_shards-th index of one shared order.
-
-    The order is a permutation seeded by (seed, epoch), identical on every rank, when
-    ``shuffle``; the natural order otherwise. With ``drop_last`` the order is cut to a
-    multiple of num_shards * batch_size so every rank runs the same number of full
-    batches; without it, ranks may hold one sample fewer (no padding, so validation
-    sees each sample exactly once). ``start_batch`` skips the batches already trained
-    in this epoch, for an exact resume from a mid-epoch checkpoint.
-    """
-
-    def __init__(self, n_samples: int, num_shards: int = 1, shard_id: int = 0,
-                 shuffle: bool = False, seed: int = 0, drop_last: bool = False,
-                 batch_size: int = 1) -> None:
-        if not 0 <= shard_id < num_shards:
-            raise ValueError(f"shard_id {shard_id} not in [0, {num_shards})")
-        self.n_samples, self.num_shards, self.shard_id = n_samples, num_shards, shard_id
-        self.shuffle, self.seed, self.drop_last, self.batch_size = shuffle, seed, drop_last, batch_size
-        self.epoch = 0
-        self.start_batch = 0
-
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.epoch, self.start_batch = epoch, start_batch
-
-    def epoch_order(self) -> list[int]:
-        """This rank's indices for the current epoch, before skipping."""
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-            order = torch.randperm(self.n_samples, generator=g).tolist()
-        else:
-            order = list(range(self.n_samples))
-        if self.drop_last:
-            per_step = self.num_shards * self.batch_size
-            order = order[: (len(order) // per_step) * per_step]
-        return order[self.shard_id :: self.num_shards]
-
-    def __iter__(self):
-        return iter(self.epoch_order()[self.start_batch * self.batch_size :])
-
-    def __len__(self) -> int:
-        return max(0, len(self.epoch_order()) - self.start_batch * self.batch_size)
-
-    def batches_per_epoch(self) -> int:
-        """Batches of this rank in a whole epoch (the last one partial without drop_last)."""
-        n = len(self.epoch_order())
-        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+def already_batched(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DataLoader's collate step for a dataset whose ``__getitems__`` makes the batch itself."""
+    return batch
 
 
 class Batches:
@@ -272,6 +252,7 @@ def get_data_loader(cfg: Config, split: str, local_batch_size: int, train: bool,
         pin_memory=pin_memory,
         persistent_workers=workers > 0,
         worker_init_fn=ignore_in_worker,
+        collate_fn=already_batched,  # ERA5Dataset.__getitems__ returns whole batches
         drop_last=train,
         # its own generator: creating an iterator must not draw from the global RNG, or
         # dropout masks after a mid-epoch resume would differ from an uninterrupted run

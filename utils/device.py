@@ -76,6 +76,14 @@ def make_grad_scaler(device: torch.device, amp_mode: str) -> torch.amp.GradScale
     return torch.amp.GradScaler(device.type)
 
 
+def adam_kernel(fused: bool) -> dict[str, bool]:
+    """Adam's implementation: fused (one kernel per step, the ladder's --enable_fused), else the
+    multi-tensor ``foreach`` path. torch picks foreach by default only for CUDA tensors; on CPU
+    it is bit-identical to the single-tensor loop and measured 1.6 to 2.7 times faster for the
+    tiny and small models here."""
+    return {"fused": True} if fused else {"foreach": True}
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
