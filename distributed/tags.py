@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed.mesh import ParallelMesh
+from utils import compat
 from utils.config import Config
 
 
@@ -105,9 +106,7 @@ def wrap_data_parallel(model: nn.Module, mesh: ParallelMesh, device: torch.devic
         ids = [device.index] if device.type == "cuda" else None
         options = {} if cfg is None else {
             "bucket_cap_mb": cfg.bucket_cap_mb,
-            # the ViT has no buffers today; this keeps the tutorial's switch meaningful for models
-            # that do (DDP always broadcasts them once at construction)
-            "broadcast_buffers": not cfg.disable_broadcast_buffers,
+            **compat.ddp_buffer_sync(not cfg.disable_broadcast_buffers),
             "gradient_as_bucket_view": True,
         }
         ddp = DistributedDataParallel(model, device_ids=ids, process_group=mesh.dp_group, **options)

@@ -48,8 +48,8 @@ def ensure_installed(timeout: float = 600) -> None:
     if shutil.which("apt-get") is None:
         raise SlurmUnavailableError("Slurm is not installed and apt-get is not available to install it")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-q"],
-                ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]):
+    apt = ["apt-get", "-o", "DPkg::Lock::Timeout=120"]  # wait for another apt (a parallel test run)
+    for cmd in ([*apt, "update", "-q"], [*apt, "install", "-y", "-q", "--no-install-recommends", *PACKAGES]):
         result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if result.returncode != 0:
             raise SlurmUnavailableError(f"`{' '.join(cmd)}` failed: {result.stderr.strip()[-500:]}")

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
@@ -28,9 +26,8 @@ from distributed.parallelize import parallelize
 from distributed.stop import StopAgreement
 from distributed.tags import unwrap
 from networks.vit import build_vit, count_parameters
-from training import reporting, validation
+from training import checkpointing, reporting, validation
 from training.context import RunContext, TrainingError
-from training.upgrade import upgrade_checkpoint
 from utils import checkpoint as ckpt
 from utils import device as dev
 from utils.config import Config
@@ -154,10 +151,16 @@ class Trainer:
             if self.stop_agreement.poll(self.step):
                 self.stopped_early = True
                 break
-            if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0 \
-                    and self.step < self.cfg.num_iters:
+            if self.checkpoint_due() and not self.at_epoch_end():  # the epoch's last: after validation
                 self.save_checkpoint()
         return done
+
+    def at_epoch_end(self) -> bool:
+        return self.step % self.train_data.batches_per_epoch == 0 or self.step >= self.cfg.num_iters
+
+    def checkpoint_due(self) -> bool:
+        every = self.cfg.checkpoint_every
+        return bool(every) and self.step % every == 0 and self.step < self.cfg.num_iters
 
     def validate(self) -> dict[str, Any]:
         """Loss and RMSE over every validation sample of every data-parallel rank."""
@@ -191,44 +194,13 @@ class Trainer:
         consolidate.load_full_optimizer_state(self.optimizer, state, self.ctx.mesh)
 
     def state_dict(self) -> dict[str, Any]:
-        epoch_loss = all_reduce_sum(self.epoch_loss.clone(), self.ctx.dp_group)
-        return {
-            "model": self.model_state(),
-            "optimizer": self.optimizer_state(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler else None,
-            "step": self.step,
-            "epoch_loss_sum": epoch_loss.item(),  # summed over data-parallel ranks
-            "epoch_steps": self.epoch_steps,
-            "rng": {"device": dev.rng_state(self.device), "numpy": np.random.get_state(),
-                    "python": random.getstate()},
-            "config": self.cfg.to_dict(),
-        }
+        return checkpointing.trainer_state(self)
 
     def save_checkpoint(self) -> None:
-        state = self.state_dict()  # every rank joins the reductions inside
-        if self.ctx.is_main:
-            ckpt.save_atomic(state, self.checkpoint_path)
-            log.info("checkpoint at step %d written to %s", self.step, self.checkpoint_path)
+        checkpointing.save(self)
 
     def load_checkpoint(self, path: Path) -> None:
-        state = upgrade_checkpoint(ckpt.load(path), self.cfg.num_heads)
-        self.load_model_state(state["model"])
-        self.load_optimizer_state(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler and state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
-        self.step = state["step"]
-        # the epoch's loss sum so far goes to one rank, so the epoch-end reduction counts it once
-        self.epoch_loss.fill_(state["epoch_loss_sum"] if self.ctx.dp_rank == 0 else 0.0)
-        self.epoch_steps = state["epoch_steps"]
-        dev.set_rng_state(state["rng"]["device"], self.device)
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
-        log.info("resumed from %s at step %d", path, self.step)
-        if self.step >= self.cfg.num_iters:
-            log.info("this run already took all %d steps; to train again, pass another --run_num "
-                     "or delete %s", self.cfg.num_iters, self.ctx.run_dir)
+        checkpointing.load(self, path)
 
     # ------------------------------------------------------------------- logging ---
     def open_writer(self) -> None:
@@ -258,6 +230,13 @@ class Trainer:
         """Train until ``num_iters`` steps; resume first if the run directory has a checkpoint."""
         if self.checkpoint_path.is_file():
             self.load_checkpoint(self.checkpoint_path)
+            if self.step >= self.cfg.num_iters:  # nothing to do: touch nothing (no TensorBoard purge)
+                log.info("this run already took all %d steps; to train again, pass another --run_num "
+                         "(or --num_iters N to train it further)", self.cfg.num_iters)
+                return {}
+        if self.ctx.is_main:
+            checkpointing.remove_temp_files(self.ctx.run_dir)
+            checkpointing.trim_metrics(self.ctx.run_dir, self.step)
         self.open_writer()
         spe = self.train_data.batches_per_epoch
         log.info("%d parameters; %d steps per epoch of %d samples; local batch %d on %d ranks",
@@ -269,16 +248,19 @@ class Trainer:
             dev.synchronize(self.device)
             start = time.time()
             steps = self.train_epoch(epoch, start_batch)
+            if not (self.stopped_early and not self.at_epoch_end()):  # a whole epoch: close it
+                dev.synchronize(self.device)
+                seconds = time.time() - start
+                train_loss = self.finish_epoch_loss()
+                val_start = time.time()
+                val = self.validate()
+                self.log_epoch(epoch, seconds, steps, train_loss, val, time.time() - val_start)
             if self.stopped_early:
                 log.warning("stop signal (%s): stopping at step %d of %d to checkpoint",
                             received() or "received by another rank", self.step, self.cfg.num_iters)
                 break
-            dev.synchronize(self.device)
-            seconds = time.time() - start
-            train_loss = self.finish_epoch_loss()
-            val_start = time.time()
-            val = self.validate()
-            self.log_epoch(epoch, seconds, steps, train_loss, val, time.time() - val_start)
+            if self.checkpoint_due():  # a checkpoint on the epoch's last step, after validation
+                self.save_checkpoint()
         self.stop_agreement.drain()
         if val or self.stopped_early or not self.checkpoint_path.is_file():
             self.save_checkpoint()

@@ -6,6 +6,7 @@ version that changed the behaviour it papers over.
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 
@@ -39,3 +40,16 @@ def require_supported_torch() -> None:
     if problem:
         sys.stderr.write(f"error: {problem}\n")
         raise SystemExit(2)
+
+
+def ddp_buffer_sync(sync: bool) -> dict[str, bool]:
+    """DDP's keyword for broadcasting module buffers from rank 0 at every forward.
+
+    torch 2.13 renamed ``broadcast_buffers`` to ``forward_sync_buffers`` (the old name warns
+    there); 2.8 knows only ``broadcast_buffers``, whose False also skips the one broadcast at
+    construction. The ViT has no buffers, so both behave the same here.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": sync}

@@ -1,0 +1,115 @@
+"""A trainer's whole state in one checkpoint file: written atomically, only when it is sound,
+and loaded so that the run continues exactly as if it had never stopped.
+
+The file holds the consolidated model and optimizer state (whole tensors with the serial
+names, whatever the layout), the scheduler, the loss scaler, the step, the running sum of
+the epoch's training loss, the random generators and the configuration. Only rank 0 writes
+it; every rank takes part in the reductions that gather it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from distributed.env import all_reduce_sum
+from training.context import TrainingError
+from training.upgrade import upgrade_checkpoint
+from utils import checkpoint as ckpt
+from utils import device as dev
+
+if TYPE_CHECKING:
+    from training.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def trainer_state(trainer: Trainer) -> dict[str, Any]:
+    """Everything needed to continue (collective: every rank must call it)."""
+    epoch_loss = all_reduce_sum(trainer.epoch_loss.clone(), trainer.ctx.dp_group).item()
+    check_finite(trainer, epoch_loss)
+    return {
+        "model": trainer.model_state(),
+        "optimizer": trainer.optimizer_state(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
+        "step": trainer.step,
+        "epoch_loss_sum": epoch_loss,  # summed over data-parallel ranks
+        "epoch_steps": trainer.epoch_steps,
+        "rng": {"device": dev.rng_state(trainer.device), "numpy": np.random.get_state(),
+                "python": random.getstate()},
+        "config": trainer.cfg.to_dict(),
+    }
+
+
+def check_finite(trainer: Trainer, epoch_loss_sum: float) -> None:
+    """Refuse, on every rank alike, to checkpoint a NaN or infinite loss or weight: it would
+    replace the last good checkpoint with one that no rerun can recover from."""
+    bad = torch.zeros(2, device=trainer.device)
+    bad[0] = 0.0 if math.isfinite(epoch_loss_sum) else 1.0
+    bad[1] = sum(float(not torch.isfinite(p).all()) for p in trainer.raw_model.parameters())
+    all_reduce_sum(bad)  # over every rank: shards differ, the decision must not
+    if bad.any():
+        what = "training loss" if bad[0] else "model weights"
+        kept = (f"the last good checkpoint ({trainer.checkpoint_path}) is kept"
+                if trainer.checkpoint_path.is_file() else "no checkpoint was written")
+        raise TrainingError(f"the {what} at step {trainer.step} is not finite (NaN or inf): not writing "
+                            f"a checkpoint, {kept}; lower the learning rate or check the data")
+
+
+def save(trainer: Trainer) -> None:
+    state = trainer_state(trainer)  # every rank joins the reductions inside
+    if trainer.ctx.is_main:
+        ckpt.save_atomic(state, trainer.checkpoint_path)
+        log.info("checkpoint at step %d written to %s", trainer.step, trainer.checkpoint_path)
+
+
+def load(trainer: Trainer, path: Path) -> None:
+    state = upgrade_checkpoint(ckpt.load(path), trainer.cfg.num_heads)
+    trainer.load_model_state(state["model"])
+    trainer.load_optimizer_state(state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    if trainer.scaler and state["scaler"]:
+        trainer.scaler.load_state_dict(state["scaler"])
+    trainer.step = state["step"]
+    # the epoch's loss sum so far goes to one rank, so the epoch-end reduction counts it once
+    trainer.epoch_loss.fill_(state["epoch_loss_sum"] if trainer.ctx.dp_rank == 0 else 0.0)
+    trainer.epoch_steps = state["epoch_steps"]
+    dev.set_rng_state(state["rng"]["device"], trainer.device)
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    log.info("resumed from %s at step %d", path, trainer.step)
+
+
+def trim_metrics(run_dir: Path, step: int) -> None:
+    """Drop the metrics lines an interrupted attempt logged after ``step`` (the checkpoint it
+    resumes from), as TensorBoard's purge_step does for the event files."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) < len(lines):
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+        log.info("dropped %d lines of %s logged after step %d by the interrupted attempt",
+                 len(lines) - len(kept), path.name, step)
+
+
+def remove_temp_files(run_dir: Path) -> None:
+    """Temporary files of saves that were killed (the run directory's lock is held: no other
+    process of this run can be writing them)."""
+    for tmp in run_dir.glob(f".{ckpt.CHECKPOINT_NAME}.tmp-*"):
+        tmp.unlink(missing_ok=True)
+        log.info("removed %s, left by a save that was killed", tmp.name)
