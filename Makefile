@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 DATA   := data/synthetic
 CONFIG ?= tiny
 
-.PHONY: venv data train test test-compat lint clean-logs exercise
+.PHONY: venv data train test test-compat lint clean-logs exercise gpu-check
 
 venv: $(STAMP)
 
@@ -52,6 +52,11 @@ $(COMPAT_STAMP): requirements.txt
 
 test-compat: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/python -m pytest -n 2 --dist loadgroup
+
+# on a CUDA machine, about 10 minutes: the cuda tests, train.py against train_graph.py, DALI against
+# the PyTorch loader, the optimization ladder; report in logs/gpu_check (flags: ARGS="--skip tests")
+gpu-check: venv
+	$(BIN)/python scripts/gpu_check.py $(ARGS)
 
 clean-logs:
 	rm -rf logs

@@ -6,17 +6,20 @@
 
 Rungs, each adding to the one before: baseline (PyTorch DataLoader, no workers, fp32);
 +workers; +DALI; +AMP (bf16); +fused Adam; +torch.compile; +CUDA graphs (CUDA only).
+Without DALI installed, +DALI is left out and the later rungs keep the PyTorch DataLoader.
 Every rung trains with the project's Trainer (its train_epoch and train_step, nothing
 re-implemented) for ``--warmup`` + ``--steps`` steps and reports
 
 * samples/s over the ``--steps`` timed steps (after warm-up: compilation, first batches);
 * the step time split into data wait (timed around the loader) and forward, backward and
-  optimizer (the trainer's own profiler ranges, from ``--profile_steps`` extra steps run
-  under torch.profiler, so the profiler's overhead stays out of samples/s);
+  optimizer (the trainer's own ranges, over ``--profile_steps`` extra steps so the timing's
+  overhead stays out of samples/s): on CPU the CPU time torch.profiler gives those ranges,
+  on CUDA the GPU time between CUDA events recorded at their edges (see EventPhases);
 * peak memory: the CUDA allocator's peak, or on CPU the process's peak resident set
   (VmHWM, reset before each rung);
 * model FLOPs per sample (forward + backward, counted by torch.utils.flop_counter) and
-  MFU against the matmul peak of the rung's dtype, measured in this run on this device;
+  MFU against the matmul peak of the rung's dtype, measured in this run on this device with
+  the trainer's matmul settings (on CUDA, fp32 matmuls on TF32 tensor cores);
 * the data loader alone (no model) against a plain h5py read of the same samples.
 
 A bare PyTorch loop over the same model and one batch held in memory (no loader, no
@@ -35,6 +38,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -65,6 +69,8 @@ RUNGS: list[tuple[str, dict[str, Any]]] = [
 ]
 RUNG_NAMES = [name for name, _ in RUNGS]
 DTYPES = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the trainers' ranges (utils.device.nvtx_range) that the step breakdown reports
+PHASES = ("forward", "backward", "optimizer", "graph replay")
 
 
 # ---------------------------------------------------------------- measuring ---
@@ -72,17 +78,17 @@ class TimedBatches:
     """Wraps a trainer's loader (the ``Batches`` protocol) and clocks every request.
 
     Request ``timed_from`` starts the timed window (after a device sync); request
-    ``profile_from`` ends it and starts torch.profiler for the breakdown steps.
+    ``profile_from`` ends it and starts ``phases`` for the breakdown steps.
     """
 
-    def __init__(self, inner, device: torch.device, timed_from: int, profile_from: int) -> None:
-        self.inner, self.device = inner, device
+    def __init__(self, inner, device: torch.device, timed_from: int, profile_from: int,
+                 phases: ProfilerPhases | EventPhases) -> None:
+        self.inner, self.device, self.phases = inner, device, phases
         self.batches_per_epoch = inner.batches_per_epoch
         self.timed_from, self.profile_from = timed_from, profile_from
         self.count = 0
         self.wait = 0.0  # seconds spent waiting for batches inside the timed window
         self.t_start = self.t_end = None
-        self.profiler: torch.profiler.profile | None = None
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.inner.set_epoch(epoch, start_batch)
@@ -96,7 +102,7 @@ class TimedBatches:
             if self.count == self.profile_from and self.t_end is None:
                 dev.synchronize(self.device)
                 self.t_end = time.perf_counter()
-                self.profiler = start_profiler(self.device)
+                self.phases.start()
             t0 = time.perf_counter()
             try:
                 batch = next(it)
@@ -108,23 +114,74 @@ class TimedBatches:
             yield batch
 
 
-def start_profiler(device: torch.device) -> torch.profiler.profile:
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    prof = torch.profiler.profile(activities=activities)
-    prof.start()
-    return prof
+class ProfilerPhases:
+    """CPU: the CPU time torch.profiler gives the trainer's ranges."""
+
+    def __init__(self) -> None:
+        self.prof: torch.profiler.profile | None = None
+
+    def start(self) -> None:
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.prof.start()
+
+    def stop(self) -> None:
+        if self.prof is not None:
+            self.prof.stop()
+
+    def ms_per_step(self, steps: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for event in self.prof.key_averages() if self.prof is not None else []:
+            if event.key in PHASES:
+                out[event.key] = out.get(event.key, 0.0) + event.cpu_time_total / 1000.0 / steps
+        return out
 
 
-def phase_ms(prof: torch.profiler.profile, device: torch.device, steps: int) -> dict[str, float]:
-    """Mean ms per step of the trainer's forward/backward/optimizer ranges (GPU time on CUDA)."""
-    out = {}
-    for event in prof.key_averages():
-        if event.key in ("forward", "backward", "optimizer"):
-            us = event.device_time_total if device.type == "cuda" else event.cpu_time_total
-            out[event.key] = out.get(event.key, 0.0) + us / 1000.0 / steps
-    return out
+class EventPhases:
+    """CUDA: GPU time of the trainer's ranges, from events on the current stream at their edges.
+
+    torch.profiler cannot give this: autograd launches the backward kernels from its own
+    device thread, so the main thread's ``backward`` range is credited with almost none of
+    them. An event recorded when a range is entered and one when it is left bracket every
+    kernel queued in between, whichever thread queued it: ``backward()`` returns only when
+    all its kernels are queued, on the streams of their forward ops (here the current one).
+
+    While started, a hook on ``utils.device.nvtx_range`` (``RANGE_HOOKS``) records the events
+    around the trainer's own ranges, so nothing of the trainer is copied.
+    """
+
+    def __init__(self, device: torch.device, make_event: Callable[[], Any] | None = None) -> None:
+        self.make_event = make_event or (lambda: dev.timing_event(device))
+        self.pairs: list[tuple[str, Any, Any]] = []
+
+    def start(self) -> None:
+        dev.RANGE_HOOKS.append(self._range)
+
+    def stop(self) -> None:
+        if self._range in dev.RANGE_HOOKS:
+            dev.RANGE_HOOKS.remove(self._range)
+
+    @contextlib.contextmanager
+    def _range(self, name: str) -> Iterator[None]:
+        if name not in PHASES:
+            yield
+            return
+        begin = self.make_event()
+        begin.record()
+        yield
+        end = self.make_event()
+        end.record()
+        self.pairs.append((name, begin, end))
+
+    def ms_per_step(self, steps: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, begin, end in self.pairs:
+            end.synchronize()
+            out[name] = out.get(name, 0.0) + begin.elapsed_time(end) / steps
+        return out
+
+
+def phase_clock(device: torch.device) -> ProfilerPhases | EventPhases:
+    return EventPhases(device) if device.type == "cuda" else ProfilerPhases()
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -191,6 +248,28 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 5)
             dev.synchronize(device)
             best = max(best, 2.0 * size**3 / (time.perf_counter() - t0))
     return best
+
+
+def measure_peaks(device: torch.device, amp: str, n: int) -> dict[str, float]:
+    """Matmul peak of fp32 ('none') and ``amp`` under the matmul settings the trainer uses.
+
+    The Trainer turns TF32 on for fp32 matmuls on CUDA (utils.device.configure_matmul); a
+    peak measured before that, in true fp32, is several times lower on Ampere and newer
+    and would overstate fp32 MFU as much.
+    """
+    dev.configure_matmul(device)
+    return {mode: matmul_peak(device, DTYPES[mode], n) for mode in ("none", amp)}
+
+
+def dali_available() -> bool:
+    from utils.data_loader import DataError
+    from utils.data_loader_dali import import_dali
+
+    try:
+        import_dali()
+    except DataError:
+        return False
+    return True
 
 
 def loader_alone(trainer: Trainer, batches: int) -> dict[str, Any]:
@@ -273,9 +352,13 @@ class Options:
 
 
 def rung_configs(base: Config, names: list[str], workers: int, amp: str,
-                 cuda: bool) -> list[tuple[str, Config]]:
+                 cuda: bool, dali: bool = True) -> list[tuple[str, Config]]:
+    """The config of each rung in ``names``. Without ``dali`` the +DALI rung is left out and the
+    rungs after it keep the PyTorch DataLoader."""
     out, settings = [], {}
     for name, change in RUNGS:
+        if name == "+DALI" and not dali:
+            continue
         for key, value in change.items():
             settings[key] = {"num_data_workers": workers, "amp_mode": amp}[key] if value is None else value
         if name == "+graphs" and not cuda:
@@ -304,20 +387,21 @@ def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
     reset_peak_memory(opts.device)
     run_dir = Path(tempfile.mkdtemp(prefix="rung-", dir=opts.out_dir))
     trainer = trainer_class(name)(cfg, RunContext(device=opts.device, run_dir=run_dir), batch)
-    timed = TimedBatches(trainer.train_data, opts.device, opts.warmup, opts.warmup + opts.steps)
+    clock = phase_clock(opts.device)
+    timed = TimedBatches(trainer.train_data, opts.device, opts.warmup, opts.warmup + opts.steps, clock)
     trainer.train_data = timed
     t0 = time.perf_counter()
     trainer.model.train()
-    while trainer.step < total:
-        epoch, start = divmod(trainer.step, timed.batches_per_epoch)
-        trainer.train_epoch(epoch, start)
-    dev.synchronize(opts.device)
-    if timed.profiler is not None:
-        timed.profiler.stop()
+    try:
+        while trainer.step < total:
+            epoch, start = divmod(trainer.step, timed.batches_per_epoch)
+            trainer.train_epoch(epoch, start)
+        dev.synchronize(opts.device)
+    finally:
+        clock.stop()
     elapsed = timed.t_end - timed.t_start
     step_ms = 1000.0 * elapsed / opts.steps
-    phases = phase_ms(timed.profiler, opts.device, opts.profile_steps) if timed.profiler else {}
-    breakdown = {"data_wait": 1000.0 * timed.wait / opts.steps, **phases}
+    breakdown = {"data_wait": 1000.0 * timed.wait / opts.steps, **clock.ms_per_step(opts.profile_steps)}
     breakdown["other"] = step_ms - sum(breakdown.values())
     mem, mem_kind = peak_memory(opts.device)
     samples_per_sec = opts.steps * batch / elapsed
@@ -349,7 +433,9 @@ def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[
     device = opts.device
     torch.manual_seed(cfg.seed)
     model = build_vit(cfg).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), fused=fused or None)
+    # the Trainer's Adam kernel (fused, else foreach), so the reference differs from it only in
+    # what surrounds the step
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, **dev.adam_kernel(fused))
     forward = torch.compile(model) if jit else model
     loss_fn = torch.compile(relative_l2_loss) if jit else relative_l2_loss
     h, w = cfg.img_size
@@ -384,7 +470,13 @@ def markdown(report: dict[str, Any]) -> str:
              f"Model: {report['flops_per_sample'] / 1e9:.2f} GFLOP per sample (forward + backward, "
              f"FlopCounterMode). Matmul peak measured here: "
              + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in report["matmul_peak_flops"].items())
-             + ".", "",
+             + "."]
+    if report["device"].startswith("cuda"):
+        lines.append("On CUDA, forward, backward and optimizer are GPU time between CUDA events at the "
+                     "trainer's range edges, and the fp32 peak is measured with TF32 on, as the trainer "
+                     "runs fp32 matmuls; +graphs replays its whole step as one graph (its time shows "
+                     "under forward).")
+    lines += ["",
              "| rung | samples/s | step ms | data wait | forward | backward | optimizer | peak mem MB "
              "| MFU | loader alone / raw h5py | warm-up s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -392,10 +484,13 @@ def markdown(report: dict[str, Any]) -> str:
         b = r["breakdown_ms"]
         mem = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r["peak_memory_bytes"] else "n/a"
         ld = r["loader"]
+        if "graph replay" in b:
+            phases = f"replay {b['graph replay']:.0f} | - | -"
+        else:
+            phases = " | ".join(f"{b.get(k, float('nan')):.0f}" for k in ("forward", "backward", "optimizer"))
         lines.append(
             f"| {r['name']} | {r['samples_per_sec']:.2f} | {r['step_ms']:.0f} | {b['data_wait']:.0f} "
-            f"| {b.get('forward', float('nan')):.0f} | {b.get('backward', float('nan')):.0f} "
-            f"| {b.get('optimizer', float('nan')):.0f} | {mem} | {100 * r['mfu']:.1f}% "
+            f"| {phases} | {mem} | {100 * r['mfu']:.1f}% "
             f"| {ld['samples_per_sec']:.0f} / {ld['raw_h5py_samples_per_sec']:.0f} "
             f"({100 * ld['ratio_to_raw']:.0f}%) | {r['warmup_seconds']:.1f} |")
     for r in report["bare"]:
@@ -428,7 +523,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per rung")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--profile_steps", type=int, default=2,
-                   help="steps under torch.profiler for the breakdown")
+                   help="extra steps for the forward/backward/optimizer breakdown (torch.profiler "
+                   "on CPU, CUDA events on a GPU)")
     p.add_argument("--loader_batches", type=int, default=8, help="batches for the loader-alone measurement")
     p.add_argument("--workers", type=int, default=2, help="DataLoader / DALI workers from +workers on")
     p.add_argument("--amp", choices=("bf16", "fp16"), default="bf16", help="dtype of the +AMP rung")
@@ -470,11 +566,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     opts = Options(args.steps, args.warmup, args.profile_steps, args.loader_batches, args.out_dir, device)
 
     flops = flops_per_sample(base, batch, device)
-    peaks = {mode: matmul_peak(device, DTYPES[mode], args.matmul_size) for mode in ("none", args.amp)}
+    peaks = measure_peaks(device, args.amp, args.matmul_size)
     rungs, loader_cache = [], {}
     if "+graphs" in names and device.type != "cuda":
         print("skipping +graphs: CUDA Graphs need a GPU", file=sys.stderr)
-    for name, cfg in rung_configs(base, names, args.workers, args.amp, device.type == "cuda"):
+    # every rung from +DALI on reads through DALI, whether +DALI itself is asked for or not
+    dali = not any(RUNG_NAMES.index(n) >= RUNG_NAMES.index("+DALI") for n in names) or dali_available()
+    if not dali:
+        print("skipping +DALI: NVIDIA DALI is not installed; the later rungs keep the PyTorch "
+              "DataLoader", file=sys.stderr)
+    for name, cfg in rung_configs(base, names, args.workers, args.amp, device.type == "cuda", dali):
         print(f"rung {name} ...", file=sys.stderr, flush=True)
         rungs.append(run_rung(name, cfg, opts, batch, flops, peaks, loader_cache))
         print(f"  {rungs[-1]['samples_per_sec']:.2f} samples/s", file=sys.stderr, flush=True)

@@ -4,6 +4,8 @@ Environment variables (all optional):
   DDP_TEST_RAISE_AT=R:S   rank R raises RuntimeError in its step S (0-based)
   DDP_TEST_NAN_AT=R:S     rank R reports a NaN loss for its step S (its gradients stay finite)
   DDP_TEST_SIGNAL_AT=R:S  rank R sends itself SIGUSR1 during its step S
+  DDP_TEST_SIGNAL=INT     ... that signal instead (TERM, INT, USR1, USR2)
+  DDP_TEST_SIGNAL_TWICE=1 ... twice in a row, as a launcher forwarding a group signal does
   DDP_TEST_READONLY=DIR   every rank but 0 fails if it opens a file under DIR for writing
 """
 
@@ -58,7 +60,9 @@ class FaultyTrainer(Trainer):
         if self.step == self.raise_at:
             raise RuntimeError(f"injected failure on rank {RANK} at step {self.step}")
         if self.step == self.signal_at:
-            os.kill(os.getpid(), signal.SIGUSR1)
+            sig = signal.Signals["SIG" + os.environ.get("DDP_TEST_SIGNAL", "USR1")]
+            for _ in range(2 if os.environ.get("DDP_TEST_SIGNAL_TWICE") else 1):
+                os.kill(os.getpid(), sig)
         loss = super().train_step(inp, tar)
         if self.step == self.nan_at:
             return torch.full_like(loss, float("nan"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -221,6 +222,119 @@ def test_benchmark_counts_cpu_attention_flops(cfg_factory):
     # 2.5 x that (torch's formula recomputes the scores)
     attention = 3.5 * 2 * 2 * 4 * 32**2 * 8 * cfg.depth
     assert counted - plain.get_total_flops() / BATCH == attention
+
+
+def test_benchmark_measures_peaks_under_the_trainer_matmul_settings(monkeypatch):
+    from scripts import benchmark
+
+    calls = []
+    monkeypatch.setattr(benchmark.dev, "configure_matmul", lambda device: calls.append(("configure", device)))
+    monkeypatch.setattr(benchmark, "matmul_peak",
+                        lambda device, dtype, n: calls.append(("peak", dtype)) or 1.0)
+    cpu = torch.device("cpu")
+    assert benchmark.measure_peaks(cpu, "bf16", 64) == {"none": 1.0, "bf16": 1.0}
+    # TF32 (on CUDA) is set before the fp32 peak is measured, not only later by the Trainer
+    assert calls == [("configure", cpu), ("peak", torch.float32), ("peak", torch.bfloat16)]
+
+
+class ClockEvent:
+    """Stands in for torch.Event on CPU: record() notes the host clock."""
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        assert self.t is not None, "synchronize() on an event never recorded"
+
+    def elapsed_time(self, end: ClockEvent) -> float:
+        return 1000.0 * (end.t - self.t)
+
+
+def test_event_phases_bracket_the_trainer_ranges(cfg_factory, tmp_path):
+    from scripts.benchmark import EventPhases
+
+    trainer = make_trainer(cfg_factory(), tmp_path)
+    original = dev.nvtx_range
+    clock = EventPhases(torch.device("cpu"), make_event=ClockEvent)
+    clock.start()
+    try:
+        train_losses(trainer, fixed_batches(2, trainer.cfg))
+        with dev.nvtx_range("step 7"):  # not a phase: passed through, not timed
+            pass
+    finally:
+        clock.stop()
+    assert dev.nvtx_range is original
+    names = [name for name, _, _ in clock.pairs]
+    assert names == ["forward", "backward", "optimizer"] * 2
+    # one phase's end comes before the next one's start, so the phases never overlap
+    times = [t for _, begin, end in clock.pairs for t in (begin.t, end.t)]
+    assert times == sorted(times)
+    ms = clock.ms_per_step(2)
+    assert set(ms) == {"forward", "backward", "optimizer"} and all(v > 0 for v in ms.values())
+    total = 1000.0 * (clock.pairs[-1][2].t - clock.pairs[0][1].t) / 2
+    assert sum(ms.values()) <= total + 1e-6
+
+
+def test_rungs_without_dali_keep_the_pytorch_loader(cfg_factory, monkeypatch):
+    from scripts.benchmark import dali_available, rung_configs
+
+    base = cfg_factory()
+    names = ["+DALI", "+AMP", "+fused"]
+    with_dali = rung_configs(base, names, 1, "bf16", cuda=False, dali=True)
+    assert [n for n, _ in with_dali] == names
+    assert all(c.data_loader_config == "dali" for _, c in with_dali)
+    without = rung_configs(base, names, 1, "bf16", cuda=False, dali=False)
+    assert [n for n, _ in without] == ["+AMP", "+fused"]
+    assert all(c.data_loader_config == "pytorch" and c.amp_mode == "bf16" and c.num_data_workers == 1
+               for _, c in without)
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # `import nvidia.dali` raises ImportError
+    assert not dali_available()
+
+
+@pytest.mark.cuda
+def test_benchmark_cuda_phases_count_the_backward_kernels(cfg_factory, tmp_path):
+    from ruamel.yaml import YAML
+
+    from scripts import benchmark
+
+    yaml = tmp_path / "bench.yaml"
+    with open(yaml, "w") as f:
+        YAML().dump({"t": cfg_factory().to_dict()}, f)
+    out = tmp_path / "bench"
+    original = dev.nvtx_range
+    benchmark.main(["--yaml_config", str(yaml), "--config", "t", "--steps", "3", "--warmup", "1",
+                    "--profile_steps", "2", "--loader_batches", "2", "--matmul_size", "512",
+                    "--workers", "1", "--rungs", "baseline,+AMP,+graphs", "--no_bare", "--out_dir", str(out)])
+    assert dev.nvtx_range is original
+    report = json.loads((out / "benchmark.json").read_text())
+    rungs = {r["name"]: r for r in report["rungs"]}
+    assert set(rungs) == {"baseline", "+AMP", "+graphs"}
+    for name in ("baseline", "+AMP"):
+        b = rungs[name]["breakdown_ms"]
+        assert all(b[k] > 0 for k in ("forward", "backward", "optimizer")), b
+        # backward runs about twice the forward's kernels; the profiler's main-thread range
+        # credited it with almost none of them (launched from autograd's device thread)
+        assert b["backward"] > 0.5 * b["forward"], b
+        assert b["forward"] + b["backward"] + b["optimizer"] < 2 * rungs[name]["step_ms"], b
+    assert rungs["+graphs"]["breakdown_ms"]["graph replay"] > 0
+    assert all(0 < r["mfu"] < 1 for r in rungs.values())
+
+
+@pytest.mark.cuda
+def test_fp32_peak_is_measured_with_tf32_as_the_trainer_runs(monkeypatch):
+    from scripts.benchmark import matmul_peak, measure_peaks
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # restored afterwards
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+    true_fp32 = matmul_peak(cuda, torch.float32, 2048)
+    peaks = measure_peaks(cuda, "bf16", 2048)
+    assert torch.backends.cuda.matmul.allow_tf32
+    if torch.cuda.get_device_capability(cuda)[0] >= 8:  # Ampere and newer have TF32 tensor cores
+        assert peaks["none"] > 1.5 * true_fp32, (peaks, true_fp32)
 
 
 def test_dali_missing_is_one_clean_error(cfg_factory, monkeypatch):

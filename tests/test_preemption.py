@@ -73,17 +73,34 @@ def test_check_interval_must_be_positive():
 
 
 @pytest.mark.timeout(60)
-def test_a_second_signal_kills_as_usual():
-    """A stuck run can still be stopped: the first TERM is caught, the second is not."""
-    code = ("import os, signal, time; from utils import signals as preemption; "
-            "preemption.install_handlers(); "
-            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2); "
-            "assert preemption.received() == 'SIGTERM'; print('survived', flush=True); "
-            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); print('still alive')")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_repeat_is_one_signal_and_a_later_second_kills(sig):
+    """The launcher's forwarded copy (within REPEAT_WINDOW_S) counts once; a stuck run can still
+    be stopped by a second signal after that."""
+    code = ("import os, signal, time; from utils import signals; signals.install_handlers(); "
+            f"os.kill(os.getpid(), {int(sig)}); os.kill(os.getpid(), {int(sig)}); time.sleep(0.2); "
+            f"assert signals.received() == '{sig.name}'; print('survived', flush=True); "
+            "time.sleep(signals.REPEAT_WINDOW_S); "
+            f"os.kill(os.getpid(), {int(sig)}); time.sleep(5); print('still alive')")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
                             capture_output=True, text=True, timeout=50)
     assert result.stdout.split() == ["survived"], result.stderr
-    assert result.returncode == -signal.SIGTERM
+    assert result.returncode == -sig
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_checkpoints_and_exits_without_a_traceback(data_dir, tmp_path):
+    from tests.ddp_helpers import run_dir, train_args, write_test_yaml
+
+    args = train_args(write_test_yaml(tmp_path / "t.yaml"), data_dir, tmp_path / "logs",
+                      num_iters=6, stop_check_every=1)
+    env = subprocess_env(DDP_TEST_SIGNAL_AT="0:2", DDP_TEST_SIGNAL="INT", DDP_TEST_SIGNAL_TWICE="1")
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "ddp_worker.py"), *args], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=100)
+    assert result.returncode == preemption.EXIT_STOPPED, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert "stop signal (SIGINT): stopping at step 3 of 6" in result.stdout
+    assert torch.load(run_dir(tmp_path / "logs", 1) / "checkpoint.pt", weights_only=False)["step"] == 3
 
 
 def test_loader_workers_survive_a_stop_signal(cfg_factory, handlers):

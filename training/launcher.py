@@ -152,6 +152,8 @@ def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description:
     except Exception:
         log.error("rank %d failed:\n%s", ctx.rank, traceback.format_exc())
         return exit_now(1)
+    finally:
+        signals.restore_handlers()
     if trainer.stopped_early:  # every rank waits until rank 0 has written the checkpoint
         if dist.is_initialized():
             dist.barrier()

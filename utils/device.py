@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -120,6 +120,11 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda_device"], device)
 
 
+# Extra context managers entered around every named range (scripts/benchmark.py times the
+# trainer's phases with CUDA events through this; nothing in training uses it).
+RANGE_HOOKS: list[Callable[[str], contextlib.AbstractContextManager]] = []
+
+
 @contextlib.contextmanager
 def nvtx_range(name: str) -> Iterator[None]:
     """A named range: NVTX for Nsight Systems on CUDA, a profiler label everywhere.
@@ -130,11 +135,30 @@ def nvtx_range(name: str) -> Iterator[None]:
     if use_nvtx:
         torch.cuda.nvtx.range_push(name)
     try:
-        with torch.profiler.record_function(name):
+        with torch.profiler.record_function(name), contextlib.ExitStack() as hooks:
+            for hook in RANGE_HOOKS:
+                hooks.enter_context(hook(name))
             yield
     finally:
         if use_nvtx:
             torch.cuda.nvtx.range_pop()
+
+
+def timing_event(device: torch.device) -> torch.cuda.Event:
+    """A CUDA event that records a time stamp on the current stream."""
+    return torch.cuda.Event(enable_timing=True)
+
+
+def gpu_facts(index: int = 0) -> dict:
+    """Name, memory, compute capability and count of the GPUs, and the NCCL and cuDNN versions."""
+    props = torch.cuda.get_device_properties(index)
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # a build without NCCL
+        nccl = None
+    return {"name": props.name, "memory_bytes": props.total_memory,
+            "capability": f"{props.major}.{props.minor}", "count": torch.cuda.device_count(),
+            "nccl": nccl, "cudnn": torch.backends.cudnn.version()}
 
 
 def cuda_profiler_start() -> None:

@@ -7,11 +7,12 @@ SIGKILL. Training has that long to write a checkpoint.
 
 Three parts (the first and last here):
 
-* :func:`install_handlers` makes TERM, USR1 and USR2 set a flag instead of killing the
-  process; DataLoader workers ignore them (:func:`ignore_in_worker`), so a signal sent to
-  every process of the job does not kill them. A second
-  stop signal of any kind kills the process as by default (srun --kill-on-bad-exit,
-  torchrun and Slurm's time limit then end a rank that no longer responds).
+* :func:`install_handlers` makes TERM, INT (Ctrl-C), USR1 and USR2 set a flag instead of
+  killing the process; DataLoader workers ignore them (:func:`ignore_in_worker`), so a
+  signal sent to every process of the job does not kill them. A second stop signal kills
+  the process as by default (srun --kill-on-bad-exit, torchrun and Slurm's time limit then
+  end a rank that no longer responds), unless it is the same signal within
+  :data:`REPEAT_WINDOW_S` of the first: the launcher forwarding what the rank already got.
 * :class:`distributed.stop.StopAgreement` turns the per-process flag into a decision every
   rank shares (see there).
 * After the checkpoint, the process exits with :data:`EXIT_STOPPED` (75, EX_TEMPFAIL of
@@ -24,22 +25,33 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 EXIT_STOPPED = 75  # stopped by a signal, checkpoint written: run again to continue
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# Ctrl-C (SIGINT) stops like TERM: a checkpoint, then exit 75, no KeyboardInterrupt traceback
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+# A signal sent to a whole torchrun (or srun) process group reaches each worker twice: once
+# directly and once forwarded by the launcher, milliseconds apart. A repeat of the first
+# signal within this window is that echo and counts once; a later one means "stop now".
+REPEAT_WINDOW_S = 1.0
 
 _received: int | None = None  # the first stop signal this process received
+_received_at = 0.0
+_previous: dict[int, Any] = {}  # handlers before install_handlers, put back by restore_handlers
 
 
 def _handler(signum: int, frame) -> None:
-    global _received
-    if _received is not None:  # a second stop signal: stop waiting, die as by default
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    global _received, _received_at
+    if _received is None:
+        _received, _received_at = signum, time.monotonic()
         return
-    _received = signum
+    if signum == _received and time.monotonic() - _received_at < REPEAT_WINDOW_S:
+        return  # the launcher's forwarded copy of the same signal
+    signal.signal(signum, signal.SIG_DFL)  # a second stop signal: stop waiting, die as by default
+    os.kill(os.getpid(), signum)
 
 
 def ignore_in_worker(worker_id: int) -> None:
@@ -55,13 +67,16 @@ def install_handlers(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None
     global _received
     _received = None
     for sig in signals:
+        _previous.setdefault(sig, signal.getsignal(sig))
         signal.signal(sig, _handler)
 
 
-def restore_handlers(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+def restore_handlers() -> None:
+    """Put back the handlers install_handlers replaced (Python's KeyboardInterrupt for SIGINT)."""
     global _received
-    for sig in signals:
-        signal.signal(sig, signal.SIG_DFL)
+    for sig, handler in _previous.items():
+        signal.signal(sig, handler)
+    _previous.clear()
     _received = None
 
 

@@ -1,0 +1,328 @@
+"""scripts/gpu_check.py: its refusal without CUDA, its report, its loss comparison, its check
+isolation; the checks themselves on a GPU (marked cuda)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts import gpu_check as gc
+from tests.conftest import REPO, subprocess_env
+
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+
+
+# ----------------------------------------------------------------- refusal ---
+def test_refuses_without_cuda_in_one_line(tmp_path):
+    out = tmp_path / "report"
+    # subprocess_env() hides every GPU (CUDA_VISIBLE_DEVICES=), so this runs on GPU machines too
+    res = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], capture_output=True, text=True,
+                         env=subprocess_env(), timeout=120)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: gpu_check.py needs a GPU with CUDA"), res.stderr
+    assert res.stdout == ""
+    assert not out.exists()
+
+
+def test_help_needs_no_gpu():
+    res = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True,
+                         env=subprocess_env(), timeout=120)
+    assert res.returncode == 0
+    assert all(name in res.stdout for name in gc.CHECKS) and "--skip" in res.stdout
+
+
+def test_options_are_checked():
+    args = gc.parse_args(["--skip", "tests,dali", "--skip", "ladder"])
+    assert args.skip == {"tests", "dali", "ladder"}
+    with pytest.raises(SystemExit):
+        gc.parse_args(["--skip", "benchmark"])
+    with pytest.raises(SystemExit):
+        gc.parse_args(["--batch", "16", "--samples_per_year", "17"])  # 16 pairs need 18 steps
+    args = gc.parse_args(["--rungs", "baseline, +AMP"])
+    assert gc.resolve_rungs(args) is None and args.rungs == ["baseline", "+AMP"]
+    assert gc.resolve_rungs(gc.parse_args(["--rungs", "baseline,+turbo"])).startswith(
+        "error: unknown rung(s) +turbo")
+
+
+# -------------------------------------------------------- loss comparison ---
+def records(*losses: tuple[float, float]) -> list[dict]:
+    return [{"epoch": i + 1, "step": 2 * (i + 1), "train_loss": t, "val_loss": v, "samples_per_sec": 10.0}
+            for i, (t, v) in enumerate(losses)]
+
+
+def test_losses_within_tolerance_pass():
+    res = gc.compare_losses(records((1.0, 0.9), (0.8, 0.7)), records((1.001, 0.9), (0.8, 0.707)), 0.02)
+    assert res["status"] == "pass", res["reason"]
+    assert res["max_rel_diff"] == pytest.approx(0.007 / 0.707)
+    assert "epoch 2 val_loss" in res["reason"]
+    assert [r["train_loss"] for r in res["epochs"]] == [[1.0, 1.001], [0.8, 0.8]]
+
+
+@pytest.mark.parametrize("other, message", [
+    (records((1.0, 0.9), (0.8, 0.75)),
+     "epoch 2 val_loss: train.py 0.700000, train_graph.py 0.750000 differ by 6.67% (tolerance 2.0%)"),
+    (records((1.0, 0.9)), "the runs logged at different steps: [2, 4] and [2]"),
+    (records((1.0, float("nan")), (0.8, 0.7)),
+     "epoch 1: val_loss is 0.9 in train.py and nan in train_graph.py"),
+    ([], "no epoch was logged by train_graph.py"),
+])
+def test_losses_that_disagree_fail_with_the_reason(other, message):
+    res = gc.compare_losses(records((1.0, 0.9), (0.8, 0.7)), other, 0.02)
+    assert res["status"] == "fail"
+    assert res["reason"] == message
+
+
+def test_mean_rate_leaves_out_the_first_epoch():
+    recs = records((1.0, 1.0), (1.0, 1.0), (1.0, 1.0))
+    for r, rate in zip(recs, (1.0, 10.0, 20.0)):
+        r["samples_per_sec"] = rate
+    assert gc.mean_rate(recs) == 15.0
+    assert gc.mean_rate(recs[:1]) == 1.0
+
+
+# ------------------------------------------------------------------ report ---
+def sample_report() -> dict:
+    losses = gc.compare_losses(records((1.0, 0.9), (0.8, 0.7)), records((1.001, 0.9), (0.8, 0.7)), 0.02)
+    rung = gc.passed("", samples_per_sec=12.345, mfu=0.451, step_ms=1296.0, peak_memory_bytes=20 * 2**30,
+                     matmul_peak_flops={"fp32": 4.0e14, "bf16": 8.0e14})
+    return {
+        "started": "2026-01-01 00:00:00 UTC", "seconds": 512.3, "command": "python scripts/gpu_check.py",
+        "options": {"batch": 16, "ladder_steps": 10},
+        "environment": {
+            "torch": "2.13.0+cu128", "cuda_runtime": "12.8", "cudnn": 91002, "nccl": "2.27.3",
+            "driver": "570.86", "dali": None, "dali_error": "ModuleNotFoundError: No module named 'nvidia'",
+            "python": "3.12.3", "python_executable": "/usr/bin/python3", "pytest": "8.3.0",
+            "gpu": {"name": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 * 2**30, "capability": "9.0",
+                    "count": 1}},
+        "checks": {
+            "tests": gc.passed("7 passed, 0 failed, 0 errors, 1 skipped", passed=7, failed=0, errors=0,
+                               skipped=1, failing=[], seconds=81.0),
+            "data": gc.passed("48 samples per split at 360 x 720", model="ViT embed 384, depth 12",
+                              seconds=40.0),
+            "train_vs_graph": {**losses, "samples_per_sec": {"train.py": 30.0, "train_graph.py": 31.5},
+                               "seconds": 95.0},
+            "dali": gc.skipped("NVIDIA DALI is not importable (No module named 'nvidia')", seconds=0.0),
+            "ladder": gc.failed("rung(s) +compile failed (logs/ladder_*.log)", seconds=200.0, rungs=[
+                {"name": "baseline", **rung},
+                {"name": "+DALI", **gc.skipped("NVIDIA DALI is not importable")},
+                {"name": "+compile", **gc.failed("benchmark.py exited with 1: InductorError | boom")},
+            ]),
+        },
+    }
+
+
+def test_report_writes_markdown_and_json(tmp_path):
+    report = sample_report()
+    md_path, json_path = gc.write_report(report, tmp_path / "out")
+    assert (md_path.name, json_path.name) == ("gpu_check_report.md", "gpu_check_report.json")
+    assert json.loads(json_path.read_text()) == report
+    md = md_path.read_text()
+    assert md.startswith("# GPU check: FAIL (3 passed, 1 failed, 1 skipped)\n")
+    assert "| GPU | NVIDIA H100 80GB HBM3, 80.0 GiB, compute capability 9.0 (1 visible) |" in md
+    assert "| torch | 2.13.0+cu128 (CUDA 12.8, cuDNN 91002, NCCL 2.27.3) |" in md
+    assert "| DALI | not importable (ModuleNotFoundError: No module named 'nvidia') |" in md
+    assert "| tests | pass | 81 | 7 passed, 0 failed, 0 errors, 1 skipped |" in md
+    assert "| dali | skipped | 0 | NVIDIA DALI is not importable (No module named 'nvidia') |" in md
+    assert "| 1 | 2 | 1.000000 | 1.001000 | 0.900000 | 0.900000 |" in md
+    assert "train.py 30.0, train_graph.py 31.5" in md
+    assert "ViT embed 384, depth 12; 10 timed steps per rung." in md
+    assert "fp32 400.0 TFLOP/s, bf16 800.0 TFLOP/s" in md
+    assert "| baseline | pass | 12.35 | 45.1% | 1296 | 20.0 | |" in md
+    assert "| +DALI | skipped | | | | | NVIDIA DALI is not importable |" in md
+    assert "| +compile | fail | | | | | benchmark.py exited with 1: InductorError \\| boom |" in md
+
+
+def test_report_without_failures_passes(tmp_path):
+    report = sample_report()
+    del report["checks"]["ladder"]
+    report["environment"] = {"error": "RuntimeError: CUDA error: unknown error"}
+    md_path, _ = gc.write_report(report, tmp_path)
+    md = md_path.read_text()
+    assert md.startswith("# GPU check: PASS (3 passed, 0 failed, 1 skipped)\n")
+    assert "Reading the versions and the GPU failed: RuntimeError: CUDA error: unknown error" in md
+    assert "Optimization ladder" not in md
+
+
+# --------------------------------------------------------------- isolation ---
+def test_a_failing_check_is_reported_and_the_others_run(tmp_path, capsys, caplog):
+    args = gc.parse_args(["--out", str(tmp_path / "out")])
+    ctx = gc.Context(args=args, out=tmp_path / "out", work=tmp_path)
+    report = {"started": "", "command": "", "options": {}, "environment": {}, "checks": {}}
+    ran = []
+
+    def fine(name):
+        def check(c):
+            ran.append(name)
+            if name == "data":
+                c.yaml = tmp_path / "run.yaml"
+            return gc.passed("fine")
+        return check
+
+    def boom(c):
+        ran.append("boom")
+        raise RuntimeError("CUDA error: device-side assert triggered\nmore lines")
+
+    plan = [("tests", boom), ("data", fine("data")), ("train_vs_graph", boom), ("dali", fine("dali")),
+            ("ladder", fine("ladder"))]
+    gc.run_plan(plan, ctx, report, skip={"dali"})
+    checks = report["checks"]
+    assert ran == ["boom", "data", "boom", "ladder"]
+    assert [c["status"] for c in checks.values()] == ["fail", "pass", "fail", "skipped", "pass"]
+    assert checks["tests"]["reason"].startswith("RuntimeError: CUDA error: device-side assert triggered (")
+    assert checks["dali"]["reason"] == "--skip dali"
+    assert "check tests raised" in caplog.text and "more lines" in caplog.text  # the whole traceback
+    written = json.loads((tmp_path / "out" / "gpu_check_report.json").read_text())
+    assert list(written["checks"]) == ["tests", "data", "train_vs_graph", "dali", "ladder"]
+    assert "ladder          pass" in capsys.readouterr().out
+
+
+def test_checks_that_need_data_are_skipped_without_it(tmp_path):
+    args = gc.parse_args(["--out", str(tmp_path / "out")])
+    ctx = gc.Context(args=args, out=tmp_path / "out", work=tmp_path)
+    report = {"checks": {}}
+
+    def no_data(c):
+        raise OSError("No space left on device")
+
+    plan = [("data", no_data), *[(name, lambda c: gc.passed("ran")) for name in gc.NEEDS_DATA]]
+    gc.run_plan(plan, ctx, report, skip=set())
+    assert report["checks"]["data"]["reason"].startswith("OSError: No space left on device")
+    for name in gc.NEEDS_DATA:
+        assert report["checks"][name] == {"status": "skipped", "reason": "no data: the data check did not "
+                                          "produce it"}
+
+
+def test_subprocess_failures_and_timeouts_are_results(tmp_path):
+    log = tmp_path / "child.log"
+    rc = gc.run_logged([sys.executable, "-c", "print('loading'); import sys; sys.exit('error: bad data')"],
+                       log, timeout=60)
+    assert rc == 1 and gc.tail_reason(log) == "error: bad data"
+    rc = gc.run_logged([sys.executable, "-c", "import time; print('waiting', flush=True); time.sleep(60)"],
+                       log, timeout=1)
+    assert rc is None and gc.exit_text(rc, 1) == "ran past 1 s"
+    assert gc.tail_reason(log) == "waiting"
+
+
+def test_junit_counts(tmp_path):
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="1" failures="1" '
+        'skipped="1" tests="5"><testcase classname="tests.test_a" name="test_ok"/>'
+        '<testcase classname="tests.test_a" name="test_ok2"/>'
+        '<testcase classname="tests.test_a" name="test_bad"><failure message="assert 1 == 2"/></testcase>'
+        '<testcase classname="tests.test_b" name="test_broken"><error message="fixture"/></testcase>'
+        '<testcase classname="tests.test_b" name="test_dali"><skipped message="no DALI"/></testcase>'
+        '</testsuite></testsuites>')
+    assert gc.junit_counts(xml) == {"passed": 2, "failed": 1, "errors": 1, "skipped": 1,
+                                    "failing": ["tests.test_a::test_bad", "tests.test_b::test_broken"]}
+
+
+def test_data_check_writes_data_and_the_run_config(tmp_path, monkeypatch):
+    from utils.config import load_config
+
+    monkeypatch.setattr(gc, "IMG_SIZE", (16, 32))  # the real 360 x 720 takes minutes on a CPU
+    args = gc.parse_args(["--samples_per_year", "20", "--batch", "4", "--workers", "1"])
+    ctx = gc.Context(args=args, out=tmp_path / "out", work=tmp_path)
+    res = gc.check_data(ctx)
+    assert res["status"] == "pass", res
+    cfg = load_config(ctx.yaml, gc.CONFIG)
+    assert (cfg.img_size, cfg.global_batch_size, cfg.num_data_workers) == ((16, 32), 4, 1)
+    assert cfg.embed_dim == load_config(REPO / "config" / "ViT.yaml", "short").embed_dim
+    assert cfg.limit_nsamples_val == gc.VALID_SAMPLES
+    assert (Path(cfg.data_dir) / "train" / "2016.h5").is_file()
+    assert (Path(cfg.data_dir) / "valid" / "2017.h5").is_file()
+    assert "patch 8 on 16 x 32, batch 4" in res["model"]
+
+
+# ------------------------------------------- the checks on the test data ---
+def small_ctx(cfg_factory, tmp_path: Path, rungs: str) -> gc.Context:
+    """A context over the test data set: the tiny model, 4 steps per epoch."""
+    args = gc.parse_args(["--out", str(tmp_path / "out"), "--steps", "8", "--ladder_steps", "2",
+                          "--rungs", rungs, "--batch", "4", "--workers", "1"])
+    gc.resolve_rungs(args)
+    ctx = gc.Context(args=args, out=tmp_path / "out", work=tmp_path, dali_error=gc.dali_status()[1])
+    cfg = cfg_factory(limit_nsamples=16, expdir=str(tmp_path / "runs"))
+    ctx.yaml = gc.write_run_config(cfg, tmp_path / "run.yaml")
+    return ctx
+
+
+@pytest.mark.slow
+def test_two_runs_are_trained_and_compared(cfg_factory, tmp_path):
+    """The subprocess and metrics.jsonl plumbing on CPU: train.py twice (train_graph.py needs CUDA)
+    gives the same losses to the bit."""
+    ctx = small_ctx(cfg_factory, tmp_path, "baseline")
+    res = gc.check_train_vs_graph(ctx, runs=(("first", "train.py"), ("second", "train.py")))
+    assert res["status"] == "pass", res["reason"]
+    assert [r["step"] for r in res["epochs"]] == [4, 8] and res["max_rel_diff"] == 0.0
+    assert (ctx.out / "logs" / "second_metrics.jsonl").is_file()
+    ctx.args.steps = 0  # train.py refuses --num_iters 0
+    broken = gc.check_train_vs_graph(ctx, runs=(("bad", "train.py"), ("second", "train.py")))
+    assert broken["status"] == "fail" and broken["reason"].startswith("train.py exited with 2: error:")
+
+
+def test_dali_check_compares_the_pipelines(cfg_factory, tmp_path):
+    """On CPU the DALI pipeline runs on the CPU; the comparison and its child process are the same."""
+    pytest.importorskip("nvidia.dali")
+    ctx = small_ctx(cfg_factory, tmp_path, "baseline")
+    res = gc.check_dali(ctx)
+    assert res["status"] == "pass", res["reason"]
+    assert res["batches"] == 4 + 4 + 3  # two training epochs of 16 samples, 10 validation samples
+    ctx.dali_error = "ModuleNotFoundError: No module named 'nvidia'"
+    assert gc.check_dali(ctx) == gc.skipped("NVIDIA DALI is not importable (ModuleNotFoundError: No "
+                                            "module named 'nvidia')")
+
+
+@pytest.mark.slow
+def test_ladder_check_runs_the_benchmark_per_rung(cfg_factory, tmp_path):
+    ctx = small_ctx(cfg_factory, tmp_path, "baseline")
+    res = gc.check_ladder(ctx)
+    assert res["status"] == "pass", res["reason"]
+    (rung,) = res["rungs"]
+    assert rung["name"] == "baseline" and rung["samples_per_sec"] > 0 and 0 < rung["mfu"] <= 1
+    assert set(rung["matmul_peak_flops"]) == {"fp32", "bf16"}
+    assert (ctx.out / "logs" / "ladder_baseline.md").is_file()
+
+
+# --------------------------------------------------------------- on a GPU ---
+@pytest.fixture
+def gpu_ctx(cfg_factory, tmp_path) -> gc.Context:
+    return small_ctx(cfg_factory, tmp_path, "baseline,+DALI,+AMP")  # +graphs: test_ladder.py
+
+
+@pytest.mark.cuda
+def test_environment_names_the_gpu():
+    env = gc.environment()
+    assert env["gpu"]["name"] and env["gpu"]["memory_bytes"] > 2**30 and env["gpu"]["count"] >= 1
+    assert env["cuda_runtime"] and env["torch"]
+    assert (env["dali"] is None) == (env["dali_error"] is not None)
+
+
+@pytest.mark.cuda
+def test_train_and_graph_runs_agree(gpu_ctx):
+    res = gc.check_train_vs_graph(gpu_ctx)
+    assert res["status"] == "pass", res["reason"]
+    assert [r["step"] for r in res["epochs"]] == [4, 8]
+    assert (gpu_ctx.out / "logs" / "graph_metrics.jsonl").is_file()
+
+
+@pytest.mark.cuda
+def test_dali_check_on_the_gpu(gpu_ctx):
+    res = gc.check_dali(gpu_ctx)
+    assert res["status"] == ("skipped" if gpu_ctx.dali_error else "pass"), res["reason"]
+
+
+@pytest.mark.cuda
+def test_ladder_check_measures_every_rung(gpu_ctx):
+    res = gc.check_ladder(gpu_ctx)
+    assert res["status"] == "pass", res["reason"]
+    rungs = {r["name"]: r for r in res["rungs"]}
+    assert list(rungs) == ["baseline", "+DALI", "+AMP"]
+    measured = [r for r in rungs.values() if r["status"] == "pass"]
+    assert len(measured) == (2 if gpu_ctx.dali_error else 3)
+    assert rungs["+AMP"]["settings"]["data_loader_config"] == ("pytorch" if gpu_ctx.dali_error else "dali")
+    assert all(r["samples_per_sec"] > 0 and 0 < r["mfu"] <= 1 for r in measured)
