@@ -56,8 +56,28 @@ def _int(env: dict[str, str], name: str) -> int:
 
 
 def parse_env(env: dict[str, str] | None = None) -> DistEnv:
-    """Read rank, sizes and rendezvous address; torchrun's names win over Slurm's."""
-    env = dict(os.environ if env is None else env)
+    """Read rank, sizes and rendezvous address; torchrun's names win over Slurm's. Values
+    that cannot be right (a rank outside the world, a world of 0) are one-line errors here,
+    before any rank waits for the others."""
+    return _checked(_read_env(dict(os.environ if env is None else env)))
+
+
+def _checked(e: DistEnv) -> DistEnv:
+    if e.world_size < 1:
+        raise ValueError(f"the world size (WORLD_SIZE or SLURM_NTASKS) is {e.world_size}; it must be "
+                         f"at least 1")
+    if not 0 <= e.rank < e.world_size:
+        raise ValueError(f"rank {e.rank} (RANK or SLURM_PROCID) is outside a world of {e.world_size} "
+                         f"ranks (0 to {e.world_size - 1}); check the launcher's settings")
+    if not 0 <= e.local_rank < max(e.local_world_size, 1):
+        raise ValueError(f"local rank {e.local_rank} is outside the {e.local_world_size} ranks of this "
+                         f"node; check LOCAL_RANK and LOCAL_WORLD_SIZE")
+    if not 0 < e.master_port < 65536:
+        raise ValueError(f"MASTER_PORT {e.master_port} is not a port number (1 to 65535)")
+    return e
+
+
+def _read_env(env: dict[str, str]) -> DistEnv:
     port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT
     if "RANK" in env and "WORLD_SIZE" in env:
         world = _int(env, "WORLD_SIZE")
@@ -91,19 +111,52 @@ def parse_env(env: dict[str, str] | None = None) -> DistEnv:
     return DistEnv()
 
 
-def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 300.0) -> None:
-    """Join the default process group (NCCL on GPU, gloo on CPU); no-op for one process."""
+def init_distributed(env: DistEnv, device: torch.device, collective_timeout_s: float = 300.0,
+                     rendezvous_timeout_s: float = 60.0) -> None:
+    """Join the default process group (NCCL on GPU, gloo on CPU); no-op for one process.
+
+    The ranks first meet at a key-value store on rank 0's MASTER_ADDR:MASTER_PORT. Under
+    torchrun its agent already runs that store and every rank is a client of it; otherwise
+    rank 0 creates it. Waiting for it is bounded by ``rendezvous_timeout_s`` (a missing rank,
+    a wrong address or a port in use end in one line, not a 300 s wait and a traceback);
+    ``collective_timeout_s`` then bounds every collective of the run.
+    """
     if not env.is_distributed or dist.is_initialized():
         return
+    store = _rendezvous(env, rendezvous_timeout_s)
     dist.init_process_group(
         backend=dev.backend_for(device),
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        store=store,
         rank=env.rank,
         world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(seconds=collective_timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
     log.info("process group: %s, world size %d", dev.backend_for(device), env.world_size)
+
+
+def _rendezvous(env: DistEnv, timeout_s: float) -> dist.Store:
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # set by torchrun
+    try:
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                             is_master=env.rank == 0 and not agent,
+                             timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=not agent,
+                             multi_tenant=not agent)
+    except Exception as err:  # DistStoreError, RuntimeError (address in use), OSError
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"rank {env.rank} of {env.world_size} could not meet the others at "
+                         f"{env.master_addr}:{env.master_port} within {timeout_s:g} s ({reason}); check "
+                         f"that every rank was started with the same MASTER_ADDR, MASTER_PORT and "
+                         f"WORLD_SIZE, that rank 0 is running, and that the port is free") from None
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is true on any rank (collective; the local flag without a process group)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

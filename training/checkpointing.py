@@ -70,7 +70,12 @@ def check_finite(trainer: Trainer, epoch_loss_sum: float) -> None:
 def save(trainer: Trainer) -> None:
     state = trainer_state(trainer)  # every rank joins the reductions inside
     if trainer.ctx.is_main:
-        ckpt.save_atomic(state, trainer.checkpoint_path)
+        try:
+            ckpt.save_atomic(state, trainer.checkpoint_path)
+        except OSError as err:  # a full disk or quota, a folder removed under the run
+            raise TrainingError(f"could not write the checkpoint {trainer.checkpoint_path}: "
+                                f"{err.strerror or err}; the previous checkpoint is kept. Free space "
+                                f"(or choose another --expdir) and run the same command again") from None
         log.info("checkpoint at step %d written to %s", trainer.step, trainer.checkpoint_path)
 
 

@@ -23,7 +23,8 @@ from typing import Any
 import torch.distributed as dist
 
 from distributed import mesh as meshes
-from distributed.env import init_distributed, parse_env
+from distributed.env import any_rank, init_distributed, parse_env
+from training import run_dir as rundir
 from training.context import RunContext, local_batch_size
 from training.trainer import Trainer, TrainingError
 from utils import device as dev
@@ -109,7 +110,7 @@ def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunC
     meshes.check_model(cfg)
     dev.set_cpu_threads(env.local_world_size)
     device = dev.pick_device(env.local_rank, env.local_world_size)
-    init_distributed(env, device)
+    init_distributed(env, device, cfg.collective_timeout_s, cfg.rendezvous_timeout_s)
     mesh = meshes.build_mesh(sizes, cfg.parallel_order, device.type)
     run_dir = run_dir_for(cfg, args.config, args.run_num, mesh, model_parallel)
     ctx = RunContext(device=device, run_dir=run_dir, rank=env.rank, world_size=env.world_size,
@@ -123,45 +124,81 @@ def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description:
     """Parse flags, set up ranks and logging, train; one-line errors for user mistakes.
 
     ``model_parallel``: whether the lesson allows dimensions other than dp larger than 1
-    (train_mp.py); its run directories then name every parallel size.
+    (train_mp.py); its run directories then name every parallel size. Nothing is written to
+    the run directory before the run is sure to start (see training/run_dir.py).
     """
     args = arg_parser(description).parse_args(argv)
-    rank = parse_env().rank if _env_ok() else 0
-    setup_logging(rank)
+    setup_logging(parse_env().rank if _env_ok() else 0)
+    lock = None
     try:
+        rundir.check_run_num(args.run_num)
         cfg, ctx, local_batch = set_up(args, model_parallel)
-        if ctx.is_main:
-            write_resolved_config(cfg, ctx.run_dir, args.config)
-        setup_logging(ctx.rank, ctx.run_dir / "out.log")
+        rundir.check_can_create(ctx.run_dir)
+        previous = rundir.previous_run(ctx.run_dir)
+        if previous is not None:
+            rundir.check_same_run(previous, cfg, ctx.run_dir)
+            if previous["step"] >= cfg.num_iters:
+                log.info("%s already took all %d steps; nothing to do, nothing changed. To train again "
+                         "pass another --run_num, or --num_iters N (above %d) to train it further",
+                         ctx.run_dir, cfg.num_iters, previous["step"])
+                return exit_now(0)
         log.info("%s", dev.environment_summary(ctx.device))
         log.info("config %s on %s, %d rank(s); run directory %s", args.config, ctx.device,
                  ctx.world_size, ctx.run_dir)
         trainer = trainer_cls(cfg, ctx, local_batch)
-    except ValueError as err:  # a user mistake: config, flags, data
+        lock = lock_run_dir(ctx)
+        if ctx.is_main:
+            write_resolved_config(cfg, ctx.run_dir, args.config)
+        setup_logging(ctx.rank, ctx.run_dir / "out.log")
+    except ValueError as err:  # a user mistake: config, flags, data, environment
         # one write per line: print() writes the text and the newline separately, and the
         # ranks' identical messages would interleave on a shared stderr
         sys.stderr.write(f"error: {err}\n")
         sys.stderr.flush()
         return exit_now(2)
+    try:
+        code = train(trainer, cfg, ctx)
+    finally:
+        if lock is not None:
+            lock.release()
+    return exit_now(code)
+
+
+def lock_run_dir(ctx: RunContext) -> rundir.RunLock | None:
+    """Rank 0 locks the run directory; every rank learns whether it could."""
+    lock, problem = None, None
+    if ctx.is_main:
+        lock = rundir.RunLock(ctx.run_dir)
+        try:
+            lock.acquire()
+        except ValueError as err:
+            lock, problem = None, err
+    if any_rank(problem is not None, ctx.device):
+        raise problem or ValueError(f"{ctx.run_dir} is in use by another run (rank 0 names it)")
+    return lock
+
+
+def train(trainer: Trainer, cfg: Config, ctx: RunContext) -> int:
+    """Fit; the exit status (0, 1 for a failure, 75 for a stop signal after the checkpoint)."""
     signals.install_handlers()
     try:
         trainer.fit()
     except TrainingError as err:
         log.error("rank %d: %s", ctx.rank, err)
-        return exit_now(1)
+        return 1
     except Exception:
         log.error("rank %d failed:\n%s", ctx.rank, traceback.format_exc())
-        return exit_now(1)
+        return 1
     finally:
         signals.restore_handlers()
     if trainer.stopped_early:  # every rank waits until rank 0 has written the checkpoint
         if dist.is_initialized():
             dist.barrier()
-        return exit_now(signals.EXIT_STOPPED)
+        return signals.EXIT_STOPPED
     if ctx.is_main:
-        log.info("TensorBoard logs are in %s; view them with: tensorboard --logdir %s",
+        log.info("TensorBoard logs are in %s; view them with: .venv/bin/tensorboard --logdir %s",
                  ctx.run_dir, cfg.exp_path)
-    return exit_now(0)
+    return 0
 
 
 def _env_ok() -> bool:

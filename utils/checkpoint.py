@@ -37,8 +37,9 @@ def save_atomic(state: dict[str, Any], path: Path) -> None:
         os.close(dir_fd)
 
 
-def load(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load(path: Path, map_location: str | torch.device = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """The checkpoint's contents (``mmap``: tensors stay on disk until used)."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     except Exception as err:  # a truncated or foreign file: say which and what to do
         raise ValueError(f"checkpoint {path} cannot be read ({err}); delete it to start over") from err

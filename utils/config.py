@@ -83,6 +83,11 @@ class Config:
                               "parallelism")
     # data parallel (DDP)
     bucket_cap_mb: float = key(25.0, "DDP gradient bucket size in MB", "data parallel")
+    rendezvous_timeout_s: float = key(60.0, "seconds to wait for every rank to start and meet "
+                                            "(srun or plain environment; torchrun meets on its own)",
+                                      "data parallel")
+    collective_timeout_s: float = key(300.0, "seconds a collective may wait for a rank that stopped "
+                                             "responding before every rank fails", "data parallel")
     disable_broadcast_buffers: bool = key(False, "do not broadcast module buffers from rank 0 "
                                                  "every forward", "data parallel")
     noddp: bool = key(False, "no gradient synchronisation: each rank trains alone (profiling "
@@ -120,6 +125,16 @@ class Config:
         d["img_size"] = list(self.img_size)
         return d
 
+
+# Keys a resumed run may change (training/run_dir.py): how data is loaded, profiled, checkpointed
+# and laid out over ranks, and num_iters to extend a run. Every other key changes the
+# mathematics, so a rerun must keep the checkpoint's value.
+MAY_CHANGE_ON_RESUME = frozenset({
+    "num_iters", "data_dir", "num_data_workers", "data_loader_config", "expdir", "checkpoint_every",
+    "stop_check_every", "profile_epoch", "profile_start_step", "profile_num_steps", "profile",
+    "enable_fused", "enable_jit", "tensor_parallel", "context_parallel", "parallel_order",
+    "bucket_cap_mb", "disable_broadcast_buffers", "rendezvous_timeout_s", "collective_timeout_s",
+})
 
 HINTS = typing.get_type_hints(Config)
 FIELDS = tuple(HINTS)
@@ -187,7 +202,8 @@ def _check_values(cfg: Config) -> None:
         raise ValueError(f"config key 'adam_betas' must be two numbers in [0, 1), got {cfg.adam_betas}")
     positive = ("patch_size", "embed_dim", "depth", "num_heads", "n_in_channels",
                 "n_out_channels", "dt", "num_iters", "global_batch_size",
-                "tensor_parallel", "context_parallel", "stop_check_every")
+                "tensor_parallel", "context_parallel", "stop_check_every", "rendezvous_timeout_s",
+                "collective_timeout_s")
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"config key '{name}' must be at least 1, got {getattr(cfg, name)}")

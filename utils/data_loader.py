@@ -39,6 +39,7 @@ class DataError(ValueError):
 class YearFile:
     path: Path
     n_steps: int
+    grid: tuple[int, int]
 
 
 def split_dir(data_dir: Path, split: str) -> Path:
@@ -54,7 +55,11 @@ def _check_year_file(path: Path, n_channels: int, img_size: tuple[int, int], dt:
         if "fields" not in f:
             raise DataError(f"{path} has no dataset 'fields' (found: {', '.join(f) or 'nothing'}); "
                             f"expected fields of shape (T, C, H, W)")
-        shape = f["fields"].shape
+        shape, dtype = f["fields"].shape, f["fields"].dtype
+    if dtype != np.float32:
+        raise DataError(f"{path}: 'fields' holds {dtype}, not float32; convert the year files to float32 "
+                        f"(for example with h5py: f2.create_dataset('fields', data=f['fields'][...]"
+                        f".astype('float32')))")
     if len(shape) != 4:
         raise DataError(f"{path}: 'fields' has shape {shape}, expected (T, C, H, W)")
     t, c, h, w = shape
@@ -66,7 +71,7 @@ def _check_year_file(path: Path, n_channels: int, img_size: tuple[int, int], dt:
                         f"{img_size[0]} x {img_size[1]}; lower img_size or regenerate the data")
     if t < dt + 1:
         raise DataError(f"{path} has {t} time steps, too few for dt={dt} (needs at least {dt + 1})")
-    return YearFile(path, t)
+    return YearFile(path, t, (h, w))
 
 
 def find_year_files(data_dir: Path, split: str, cfg: Config) -> list[YearFile]:
@@ -78,7 +83,17 @@ def find_year_files(data_dir: Path, split: str, cfg: Config) -> list[YearFile]:
     paths = sorted(folder.glob("*.h5")) if folder.is_dir() else []
     if not paths:
         raise DataError(f"no .h5 files in {folder}; {GENERATE_HINT}")
-    return [_check_year_file(p, cfg.n_in_channels, cfg.img_size, cfg.dt) for p in paths]
+    files = [_check_year_file(p, cfg.n_in_channels, cfg.img_size, cfg.dt) for p in paths]
+    grids = {f.grid for f in files}
+    if len(grids) > 1:
+        listed = ", ".join(f"{f.path.name} {f.grid[0]} x {f.grid[1]}" for f in files)
+        raise DataError(f"the year files of {folder} hold different grids ({listed}); every year of a "
+                        f"data set must be on the same grid")
+    grid = grids.pop()
+    if grid != tuple(cfg.img_size):
+        log.info("%s holds %d x %d fields; training on their top-left %d x %d (img_size), cropped as the "
+                 "original tutorial does", folder, *grid, *cfg.img_size)
+    return files
 
 
 def load_stats(data_dir: Path, n_channels: int) -> dict[str, np.ndarray]:
@@ -92,8 +107,13 @@ def load_stats(data_dir: Path, n_channels: int) -> dict[str, np.ndarray]:
         if array.shape != (1, n_channels, 1, 1):
             raise DataError(f"{path} has shape {array.shape}, expected (1, {n_channels}, 1, 1)")
         stats[name] = array
+    for name, array in stats.items():
+        if not np.isfinite(array).all():
+            raise DataError(f"{data_dir}/stats/{STATS_FILES[name]} holds NaN or inf; recompute the "
+                            f"statistics (make data does for the synthetic set)")
     if np.any(stats["global_stds"] <= 0):
-        raise DataError(f"{data_dir}/stats/global_stds.npy has non-positive entries")
+        raise DataError(f"{data_dir}/stats/global_stds.npy has non-positive entries; recompute the "
+                        f"statistics (make data does for the synthetic set)")
     return stats
 
 
