@@ -2,13 +2,17 @@
 `make exercise NAME=...` (which sets EXERCISE_VARIANT=exercise)."""
 
 import importlib
+import importlib.util
 import os
+import subprocess
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from networks.vit import ViT
+from tests.conftest import REPO
 from tests.dist_spawn import run_ranks
 from training.context import RunContext
 from training.trainer import Trainer
@@ -22,11 +26,28 @@ def exercise(name: str, variant: str = VARIANT):
     return importlib.import_module(f"exercises.{name}_{variant}")
 
 
+def shipped_exercise(name: str, tmp_path):
+    """The exercise file as committed (a student's solution in the working copy must not turn
+    the suite red), imported from a copy."""
+    path = f"exercises/{name}_exercise.py"
+    result = subprocess.run(["git", "-C", str(REPO), "show", f"HEAD:{path}"], capture_output=True,
+                            text=True)
+    if result.returncode:
+        pytest.skip(f"not a git checkout, so the shipped {path} cannot be told from an edited one")
+    copy = tmp_path / f"shipped_{name}.py"
+    copy.write_text(result.stdout)
+    spec = importlib.util.spec_from_file_location(f"shipped_{name}", copy)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.skipif(VARIANT != "solution", reason="checks the shipped exercise files")
 @pytest.mark.parametrize("name", NAMES)
-def test_shipped_exercises_are_unsolved(name):
-    """The exercise files really have their key lines removed: the checks below fail on them."""
-    module = exercise(name, "exercise")
+def test_shipped_exercises_are_unsolved(name, tmp_path):
+    """The committed exercise files really have their key lines removed: the checks below fail on
+    them. (Your own edits to them are not looked at here: `make exercise NAME=...` checks those.)"""
+    module = shipped_exercise(name, tmp_path)
     functions = ("locate", "amp_step", "average_gradients", "tp_mlp_forward")
     fn = next(getattr(module, f) for f in functions if hasattr(module, f))
     with pytest.raises(NotImplementedError, match="exercise"):
@@ -47,6 +68,19 @@ def test_sample_index(cfg_factory, dt):
     np.testing.assert_allclose(ex.normalise(raw_inp, means, stds), ds[7][0].numpy(), rtol=1e-6)
 
 
+def fp32_loss(loss_fn):
+    """The loss function, refusing what TODO 2 forbids: a low-precision prediction, or autocast."""
+
+    def checked(pred, tar):
+        assert pred.dtype == torch.float32, (
+            f"the loss got a {pred.dtype} prediction: compute it in fp32 (TODO 2: pred.float())")
+        assert not torch.is_autocast_enabled("cpu"), (
+            "the loss was computed under autocast: leave the autocast block before it (TODO 2)")
+        return loss_fn(pred, tar)
+
+    return checked
+
+
 @pytest.mark.parametrize("amp_mode", ["bf16", "fp16"])
 def test_amp_step(cfg_factory, tmp_path, amp_mode):
     ex = exercise("amp_step")
@@ -61,13 +95,25 @@ def test_amp_step(cfg_factory, tmp_path, amp_mode):
     for _ in range(3):
         inp, tar = torch.randn(4, 20, *cfg.img_size), torch.randn(4, 20, *cfg.img_size)
         expected = trainer.train_step(inp, tar)
-        got = ex.amp_step(model, optimizer, scaler, trainer.loss_fn, inp, tar, "cpu", dtype)
+        got = ex.amp_step(model, optimizer, scaler, fp32_loss(trainer.loss_fn), inp, tar, "cpu", dtype)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, expected)
     for a, b in zip(model.parameters(), trainer.model.parameters()):
         torch.testing.assert_close(a, b)
     if scaler is not None:
         assert scaler.get_scale() == trainer.scaler.get_scale()
+
+
+def assert_close_with_hint(got: torch.Tensor, want: torch.Tensor, what: str,
+                           mistakes: dict[str, torch.Tensor]) -> None:
+    """assert_close, and when it fails, the likely mistake: ``mistakes`` maps a hint to what
+    ``got`` would be had the student made that mistake."""
+    if torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+        return
+    for hint, wrong in mistakes.items():
+        if got.shape == wrong.shape and torch.allclose(got, wrong, rtol=1e-4, atol=1e-5):
+            raise AssertionError(f"{what} is wrong. Hint: {hint}")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{what} differs from the reference")
 
 
 def _ddp_versus_manual(variant: str) -> None:
@@ -87,8 +133,18 @@ def _ddp_versus_manual(variant: str) -> None:
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
         for model, opt in zip((ddp, manual), opts):
             torch.nn.functional.mse_loss(model(x), y).backward()
-            if model is manual:
+            if model is ddp:
+                ddp_grads = [p.grad.clone() for p in reference.parameters()]
+            else:
+                local = [p.grad.clone() for p in manual.parameters()]
                 average_gradients(manual)
+                world = dist.get_world_size()
+                for want, q, own in zip(ddp_grads, manual.parameters(), local):
+                    assert_close_with_hint(q.grad, want, f"rank {rank}'s averaged gradient", {
+                        f"it is {world} times DDP's: after the all-reduce (a sum) divide by the "
+                        f"number of ranks": want * world,
+                        "it is still this rank's own gradient: all-reduce it over the group": own,
+                    })
             opt.step()
             opt.zero_grad()
     for a, b in zip(reference.parameters(), manual.parameters()):
@@ -121,11 +177,22 @@ def _tp_mlp_versus_serial(variant: str) -> None:
     forward = exercise("tp_mlp", variant).tp_mlp_forward
     out = forward(x_tp, w1, b1, w2, b2, dist.group.WORLD)
     expected = serial(x_serial)
+    with torch.no_grad():
+        partial = F.linear(F.gelu(F.linear(x, w1, b1)), w2)  # this rank's fc2 product alone
     # fp32, the same products summed in a different order: agreement to ~1e-6
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert_close_with_hint(out.detach(), expected.detach(), "the output", {
+        "fc2's bias was added on every rank before the sum, so it counts tp times: add it once, "
+        "after reduce_from": expected.detach() + (tp - 1) * b2.detach(),
+        "the ranks' partial products were never summed: reduce_from after fc2": partial + b2.detach(),
+    })
     out.square().sum().backward()
     expected.square().sum().backward()
-    torch.testing.assert_close(x_tp.grad, x_serial.grad, rtol=1e-5, atol=1e-5)
+    x_part = torch.autograd.grad(F.linear(F.gelu(F.linear(x.requires_grad_(), w1, b1)), w2).add(b2)
+                                 .mul(expected.detach()).mul(2).sum(), x)[0]
+    assert_close_with_hint(x_tp.grad, x_serial.grad, "the gradient of x", {
+        "it holds only this rank's part: enter the tensor-parallel region with copy_to, whose "
+        "backward sums the ranks' parts": x_part,
+    })
     torch.testing.assert_close(w1.grad, serial.fc1.weight.grad[shard], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(w2.grad, serial.fc2.weight.grad[:, shard], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(b2.grad, serial.fc2.bias.grad, rtol=1e-5, atol=1e-5)

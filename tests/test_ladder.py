@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -102,7 +103,7 @@ def test_fused_adam_matches_unfused(cfg_factory, tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_model_and_loss_match_eager(cfg_factory, tmp_path):
+def test_compiled_model_and_loss_match_eager(cfg_factory, tmp_path, caplog):
     eager = make_trainer(cfg_factory(depth=1), tmp_path / "eager")  # compile time grows with depth
     compiled = make_trainer(cfg_factory(enable_jit=True, depth=1), tmp_path / "compiled")
     assert all(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl is not None
@@ -122,6 +123,12 @@ def test_compiled_model_and_loss_match_eager(cfg_factory, tmp_path):
     torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-6)
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    compiled.train_data.set_epoch(0)
+    with caplog.at_level("INFO", logger="training.trainer"):
+        compiled.cfg = dataclasses.replace(compiled.cfg, num_iters=1)
+        compiled.train_epoch(0, 0)
+    assert "torch.compile: compiling the model in the first step" in caplog.text
+    assert "torch.compile: first step done in" in caplog.text
 
 
 # ----------------------------------------------------------------- profiling ---
