@@ -35,6 +35,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -411,6 +412,7 @@ def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
     close = getattr(trainer.train_data.inner, "close", None)
     if close:
         close()
+    shutil.rmtree(run_dir, ignore_errors=True)  # the rung's run folder: nothing in it is kept
     return {
         "name": name,
         "settings": {k: getattr(cfg, k) for k in ("data_loader_config", "num_data_workers", "amp_mode",
@@ -575,10 +577,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not dali:
         print("skipping +DALI: NVIDIA DALI is not installed; the later rungs keep the PyTorch "
               "DataLoader", file=sys.stderr)
-    for name, cfg in rung_configs(base, names, args.workers, args.amp, device.type == "cuda", dali):
-        print(f"rung {name} ...", file=sys.stderr, flush=True)
+    configs = list(rung_configs(base, names, args.workers, args.amp, device.type == "cuda", dali))
+    started = time.perf_counter()
+    for i, (name, cfg) in enumerate(configs):
+        print(f"rung {i + 1}/{len(configs)} {name} ...", file=sys.stderr, flush=True)
         rungs.append(run_rung(name, cfg, opts, batch, flops, peaks, loader_cache))
-        print(f"  {rungs[-1]['samples_per_sec']:.2f} samples/s", file=sys.stderr, flush=True)
+        pace, remaining = (time.perf_counter() - started) / (i + 1), configs[i + 1 :]
+        left = f", about {pace * len(remaining):.0f} s left at this pace" if remaining else ""
+        if any(c.enable_jit for _, c in remaining):
+            left += " (the +compile rungs take longer)"
+        print(f"  {rungs[-1]['samples_per_sec']:.2f} samples/s{left}", file=sys.stderr, flush=True)
     report: dict[str, Any] = {
         "config": args.config, "batch": batch, "steps": args.steps, "warmup": args.warmup,
         "device": str(device), "device_name": device_name(device), "torch": torch.__version__,

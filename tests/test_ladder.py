@@ -183,7 +183,7 @@ def test_graph_replay_matches_eager(cfg_factory, tmp_path, amp_mode):
 
 
 # ---------------------------------------------------------------- benchmark ---
-def test_benchmark_smoke_writes_every_field(cfg_factory, tmp_path):
+def test_benchmark_smoke_writes_every_field(cfg_factory, tmp_path, capsys):
     from ruamel.yaml import YAML
 
     from scripts import benchmark
@@ -198,6 +198,9 @@ def test_benchmark_smoke_writes_every_field(cfg_factory, tmp_path):
                     "--rungs", ",".join(rungs), "--out_dir", str(out)])
     report = json.loads((out / "benchmark.json").read_text())
     assert [r["name"] for r in report["rungs"]] == rungs
+    assert sorted(p.name for p in out.iterdir()) == ["benchmark.json", "benchmark.md"]  # no rung folders
+    progress = capsys.readouterr().err
+    assert "rung 1/5 baseline ..." in progress and "s left at this pace" in progress
     assert report["flops_per_sample"] > 0 and set(report["matmul_peak_flops"]) == {"fp32", "bf16"}
     for r in report["rungs"]:
         assert r["samples_per_sec"] > 0 and r["mfu"] > 0
