@@ -4,7 +4,6 @@
 # and REQUEUE are read from the environment (see scripts/slurm_common.sh).
 #SBATCH -C gpu
 #SBATCH -q shared
-#SBATCH -A ntrain4
 #SBATCH -n 1
 #SBATCH --cpus-per-task 32
 #SBATCH --gpus-per-task 1

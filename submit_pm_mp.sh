@@ -8,7 +8,6 @@
 # from the environment (see scripts/slurm_common.sh).
 #SBATCH -C gpu
 #SBATCH -q regular
-#SBATCH -A ntrain4
 #SBATCH --ntasks-per-node 4
 #SBATCH --cpus-per-task 32
 #SBATCH --gpus-per-node 4
