@@ -1,11 +1,12 @@
-"""Every shell command in the README is checked.
+"""Every shell command in the README is checked, part by part, in the order a learner runs them.
 
 Each command of a ```bash block is classified by the first rule below that matches it:
 commands that can run here are run with a small override (few steps, small data, a
-temporary output folder) and must succeed; Slurm, GPU-only and long-running commands are
-checked statically (the script, configuration, flags and files they name must exist and
-parse). A command that no rule matches fails the test: a new README command must be
-classified here.
+temporary output folder shared by the commands of one part of the README) and must succeed,
+and a training command must train (a command that lands in the folder of an earlier one and
+finds nothing to do fails); Slurm, GPU-only and long-running commands are checked statically
+(the script, configuration, flags and files they name must exist and parse). A command that
+no rule matches fails the test: a new README command must be classified here.
 """
 
 from __future__ import annotations
@@ -130,10 +131,11 @@ class Runner:
             self.data[size] = out
         return self.data[size]
 
-    def run(self, words: list[str], env: dict[str, str], timeout: float = 240) -> None:
+    def run(self, words: list[str], env: dict[str, str], timeout: float = 240) -> str:
         result = subprocess.run(words, cwd=REPO, env=subprocess_env(**env), capture_output=True,
                                 text=True, timeout=timeout)
         assert result.returncode == 0, (words, result.stdout[-2000:], result.stderr[-3000:])
+        return result.stdout
 
     def train_overrides(self, config: str) -> list[str]:
         return ["--num_iters", "2", "--limit_nsamples", "16", "--limit_nsamples_val", "8",
@@ -162,7 +164,9 @@ def check_local_python(cmd: Command, runner: Runner) -> None:
     if script in TRAIN_SCRIPTS:
         index = next(i for i, w in enumerate(words) if w.endswith(".py"))
         check_train_flags(script, words[index + 1:])
-        runner.run(words + runner.train_overrides(config_of(words)), env)
+        out = runner.run(words + runner.train_overrides(config_of(words)), env)
+        assert "Avg train loss=" in out, (f"trained nothing (an earlier command of this part used the "
+                                          f"same run folder?): {cmd.text}\n{out[-1500:]}")
     elif script == "make_synthetic_era5.py":
         runner.run(words + ["--output_dir", str(runner.tmp / "generated"), "--samples_per_year", "3",
                             "--quiet"], env)
@@ -305,16 +309,49 @@ def test_parser_joins_continuations_and_drops_comments():
     assert [c.text for c in readme_commands(text)] == ["sbatch -N 4 x.sh --config=a"]
 
 
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    return Runner(tmp_path_factory.mktemp("readme"))
+def readme_parts(commands: list[Command], text: str | None = None) -> dict[str, list[Command]]:
+    """The commands under each `## ` heading of the README, in README order."""
+    text = README.read_text() if text is None else text
+    headings = [(n, line[3:].strip()) for n, line in enumerate(text.splitlines(), 1)
+                if line.startswith("## ")]
+    parts: dict[str, list[Command]] = {}
+    for cmd in commands:
+        title = next((t for n, t in reversed(headings) if n < cmd.line), "top")
+        parts.setdefault(title, []).append(cmd)
+    return parts
+
+
+PARTS = readme_parts(COMMANDS)
+
+
+def test_parts_group_commands_in_order():
+    text = "## A\n```bash\npython a.py\n```\n## B\n```bash\npython b.py\npython c.py\n```\n"
+    parts = readme_parts(readme_commands(text), text)
+    assert {k: [c.text for c in v] for k, v in parts.items()} == {
+        "A": ["python a.py"], "B": ["python b.py", "python c.py"]}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("cmd", COMMANDS, ids=[f"line{c.line}" for c in COMMANDS])
-def test_command(cmd, runner):
-    check = classify(cmd)
-    if check is None:
-        pytest.fail(f"unclassified README command: {cmd.text}")
-    check(cmd, runner)
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("part", list(PARTS), ids=[re.sub(r"\W+", "-", p).strip("-") for p in PARTS])
+def test_part_in_order(part, tmp_path):
+    """One folder for the whole part: a command that collides with an earlier one fails."""
+    runner = Runner(tmp_path)
+    for cmd in PARTS[part]:
+        check = classify(cmd)
+        if check is None:
+            pytest.fail(f"unclassified README command at line {cmd.line}: {cmd.text}")
+        try:
+            check(cmd, runner)
+        except AssertionError as err:
+            raise AssertionError(f"README line {cmd.line}: {cmd.text}\n{err}") from None
+
+
+@pytest.mark.slow
+def test_a_command_that_trains_nothing_fails(tmp_path):
+    """Two README commands with the same run folder: the second finds the run finished."""
+    runner = Runner(tmp_path)
+    cmd = Command(1, "python train.py --config tiny_short")
+    check_local_python(cmd, runner)
+    with pytest.raises(AssertionError, match="trained nothing"):
+        check_local_python(cmd, runner)
