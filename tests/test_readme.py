@@ -187,6 +187,10 @@ SCRIPT_OVERRIDES = {
     "plot_prediction.py": lambda runner: [
         "--run_dir", str(trained_tiny_run(runner)), "--out", str(runner.tmp / "prediction.png")],
     "mp_memory.py": lambda runner: [],  # no data, no output files: runs as written
+    # reads the trace of the README's profiling command, run earlier in the same part
+    "plot_profile.py": lambda runner: [
+        "--run_dir", str(runner.tmp / "logs" / "tiny_short" / "1GPU" / "profile"),
+        "--out", str(runner.tmp / "profile.png")],
     "benchmark.py": lambda runner: [  # one rung, one step (the full ladder: test_ladder.py)
         "--data_dir", str(runner.data_for("small")), "--rungs", "baseline", "--steps", "1",
         "--warmup", "0", "--profile_steps", "1", "--loader_batches", "1", "--matmul_size", "64",
