@@ -19,7 +19,7 @@ from training.trainer import Trainer
 from utils.data_loader import ERA5Dataset
 
 VARIANT = os.environ.get("EXERCISE_VARIANT", "solution")
-NAMES = ("sample_index", "amp_step", "allreduce_grads", "tp_mlp")
+NAMES = ("sample_index", "amp_step", "allreduce_grads", "tp_mlp", "tp_mlp_split")
 
 
 def exercise(name: str, variant: str = VARIANT):
@@ -48,7 +48,7 @@ def test_shipped_exercises_are_unsolved(name, tmp_path):
     """The committed exercise files really have their key lines removed: the checks below fail on
     them. (Your own edits to them are not looked at here: `make exercise NAME=...` checks those.)"""
     module = shipped_exercise(name, tmp_path)
-    functions = ("locate", "amp_step", "average_gradients", "tp_mlp_forward")
+    functions = ("locate", "amp_step", "average_gradients", "shard_mlp", "tp_mlp_forward")
     fn = next(getattr(module, f) for f in functions if hasattr(module, f))
     with pytest.raises(NotImplementedError, match="exercise"):
         fn(*([None] * fn.__code__.co_argcount))
@@ -201,3 +201,43 @@ def _tp_mlp_versus_serial(variant: str) -> None:
 @pytest.mark.timeout(120)
 def test_tp_mlp():
     run_ranks(2, _tp_mlp_versus_serial, VARIANT)
+
+
+def _tp_mlp_split_versus_serial(variant: str) -> None:
+    import torch.distributed as dist
+
+    from networks.vit import MLP
+
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    serial = MLP(8, 32)
+    for p in serial.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    ex = exercise("tp_mlp_split", variant)
+    shards = ex.shard_mlp(serial.fc1.weight.detach(), serial.fc1.bias.detach(), serial.fc2.weight.detach(),
+                          serial.fc2.bias.detach(), rank, tp)
+    own = slice(rank * 32 // tp, (rank + 1) * 32 // tp)
+    want = (serial.fc1.weight[own], serial.fc1.bias[own], serial.fc2.weight[:, own], serial.fc2.bias)
+    for name, got, ref in zip(("w1", "b1", "w2", "b2"), shards, want):
+        assert got.shape == ref.shape, (
+            f"{name} has shape {tuple(got.shape)}, want {tuple(ref.shape)}. Hint: fc1 is split by rows "
+            f"(output features), fc2's weight by columns (input features), fc2's bias not at all")
+        assert torch.equal(got, ref.detach()), f"{name} holds another rank's block: rank r owns block r"
+        assert got.untyped_storage().nbytes() == got.numel() * got.element_size(), (
+            f"{name} is a view of the whole tensor: .clone() it")
+    params = [t.clone().requires_grad_() for t in shards]
+    x = torch.randn(2, 5, 8)
+    x_serial, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = ex.tp_mlp_forward(x_tp, *params, dist.group.WORLD)
+    expected = serial(x_serial)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(x_tp.grad, x_serial.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(params[0].grad, serial.fc1.weight.grad[own], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(params[2].grad, serial.fc2.weight.grad[:, own], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_tp_mlp_split():
+    run_ranks(2, _tp_mlp_split_versus_serial, VARIANT)
