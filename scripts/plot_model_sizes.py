@@ -58,6 +58,7 @@ def draw(runs: list[dict[str, Any]]) -> plt.Figure:
         ax.annotate(f"{r['name']}\nembed {r['embed_dim']}, depth {r['depth']}", (r["parameters"], r["rmse"]),
                     textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # 2e5, 3e5, ... would collide
     ax.set_xlabel("parameters")
     ax.set_ylabel("validation RMSE, mean of 20 channels")
     ax.set_ylim(0, max(r["persistence"] for r in runs) * 1.15)

@@ -187,6 +187,11 @@ SCRIPT_OVERRIDES = {
     "plot_prediction.py": lambda runner: [
         "--run_dir", str(trained_tiny_run(runner)), "--out", str(runner.tmp / "prediction.png")],
     "mp_memory.py": lambda runner: [],  # no data, no output files: runs as written
+    # the two runs of the README's commands just before it, and the committed example
+    "plot_model_sizes.py": lambda runner: [
+        "--run_dirs", *(str(runner.tmp / "logs" / c / "1GPU" / "sizes") for c in ("tiny_small",
+                                                                                  "tiny_large")),
+        "example_logs/tiny/1GPU/demo", "--out", str(runner.tmp / "sizes.png")],
     # reads the trace of the README's profiling command, run earlier in the same part
     "plot_profile.py": lambda runner: [
         "--run_dir", str(runner.tmp / "logs" / "tiny_short" / "1GPU" / "profile"),
