@@ -207,3 +207,17 @@ def test_a_full_disk_keeps_the_previous_checkpoint(cfg_factory, tmp_path, monkey
     with pytest.raises(TrainingError, match="No space left on device; the previous checkpoint is kept"):
         trainer.save_checkpoint()
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"] == 2
+
+
+def test_a_file_system_without_locks_runs_unlocked(tmp_path, monkeypatch, caplog):
+    import fcntl
+
+    def no_locks(f, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock = rundir.RunLock(tmp_path / "run")
+    with caplog.at_level("WARNING"):
+        lock.acquire()  # no error: the run goes on
+    assert "two runs in this folder would not be detected" in caplog.text
+    lock.release()

@@ -9,6 +9,7 @@ training, changes nothing on disk.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -85,7 +86,13 @@ class RunLock:
         f = open(self.path, "a+")  # noqa: SIM115 (held open for the whole run)
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as err:
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                # a file system without flock (some NFS or Lustre mounts): run unlocked, say so
+                log.warning("cannot lock %s (%s); two runs in this folder would not be detected",
+                            self.path, err.strerror)
+                f.close()
+                return
             f.seek(0)
             holder = f.read().strip() or "another process"
             f.close()
