@@ -7,10 +7,13 @@ starts from the same weights. :func:`parallelize` then transforms it, always in 
    MLP are swapped for the Column/Row-parallel versions, which keep this rank's shards of
    the serial weights; the token slots split and gather the sequence. Parameters keep
    their serial names and get tags that say how they are split.
-2. torch.compile (``enable_jit``) of each transformer block, in place (``Module.compile``), so
+2. activation checkpointing (``activation_checkpointing``): the chosen blocks keep only their
+   input for backward and recompute the rest (non-reentrant ``torch.utils.checkpoint``, which
+   also replays the dropout masks, so gradients are those of the plain model).
+3. torch.compile (``enable_jit``) of each transformer block, in place (``Module.compile``), so
    parameter names stay serial; per block, as torchtitan does, so that DDP can start a
    block's gradient all-reduce while backward still runs through the blocks before it.
-3. data parallel (:func:`~distributed.tags.wrap_data_parallel`): DDP over the dp dimension,
+4. data parallel (:func:`~distributed.tags.wrap_data_parallel`): DDP over the dp dimension,
    with a comm hook that also sums gradients over cp when the tags ask for it.
 
 An instructor adding a kind of parallelism adds its step here, in its place in the order.
@@ -19,9 +22,11 @@ An instructor adding a kind of parallelism adds its step here, in its place in t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from distributed.layers import (
     DistributedAttention,
@@ -53,9 +58,29 @@ def apply_model_parallel(model: ViT, mesh: ParallelMesh) -> ViT:
     return model
 
 
+def apply_activation_checkpointing(model: ViT, mode: str) -> ViT:
+    """Recompute the activations of every block (``full``) or of every other block
+    (``selective``: half the saving for half the extra forward work) in backward. The block's
+    ``forward`` is wrapped in place, so parameter names (and checkpoints) do not change."""
+    if mode == "none":
+        return model
+    for i, block in enumerate(model.blocks.values()):
+        if mode == "full" or i % 2 == 0:
+            block.forward = _checkpointed(block.forward)
+    return model
+
+
+def _checkpointed(forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(forward, x, use_reentrant=False)
+
+    return run
+
+
 def parallelize(model: ViT, mesh: ParallelMesh, cfg: Config, device: torch.device) -> nn.Module:
     """This rank's model, on ``device``, ready to train (see the module docstring for the order)."""
     model = apply_model_parallel(model, mesh).to(device)
+    model = apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.enable_jit:
         for block in model.blocks.values():
             block.compile()

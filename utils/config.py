@@ -81,6 +81,10 @@ class Config:
     context_parallel: int = key(1, "ranks that split the sequence of tokens", "parallelism")
     parallel_order: str = key("tp-cp-dp", "rank layout, fastest-varying dimension first",
                               "parallelism")
+    # memory
+    activation_checkpointing: str = key("none", "recompute activations in backward instead of storing "
+                                        "them: none, full (every block), selective (every other one)",
+                                        "memory", choices=("none", "full", "selective"))
     # data parallel (DDP)
     bucket_cap_mb: float = key(25.0, "DDP gradient bucket size in MB", "data parallel")
     rendezvous_timeout_s: float = key(60.0, "seconds to wait for every rank to start and meet "
@@ -126,14 +130,14 @@ class Config:
         return d
 
 
-# Keys a resumed run may change (training/run_dir.py): how data is loaded, profiled, checkpointed
-# and laid out over ranks, and num_iters to extend a run. Every other key changes the
-# mathematics, so a rerun must keep the checkpoint's value.
+# Keys a resumed run may change (training/run_dir.py): how data is loaded, profiled, checkpointed,
+# recomputed and laid out, and num_iters to extend a run. The others change the mathematics.
 MAY_CHANGE_ON_RESUME = frozenset({
     "num_iters", "data_dir", "num_data_workers", "data_loader_config", "expdir", "checkpoint_every",
     "stop_check_every", "profile_epoch", "profile_start_step", "profile_num_steps", "profile",
     "enable_fused", "enable_jit", "tensor_parallel", "context_parallel", "parallel_order",
     "bucket_cap_mb", "disable_broadcast_buffers", "rendezvous_timeout_s", "collective_timeout_s",
+    "activation_checkpointing",
 })
 
 HINTS = typing.get_type_hints(Config)
