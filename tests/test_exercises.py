@@ -157,16 +157,23 @@ def test_allreduce_grads():
     run_ranks(2, _ddp_versus_manual, VARIANT)
 
 
-def _tp_mlp_versus_serial(variant: str) -> None:
-    import torch.distributed as dist
-
+def _serial_mlp():
+    """The MLP both tensor-parallel exercises split (weights large enough that every term counts)."""
     from networks.vit import MLP
 
-    rank, tp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     serial = MLP(8, 32)
     for p in serial.parameters():
         torch.nn.init.normal_(p, std=0.5)
+    return serial
+
+
+def _tp_mlp_versus_serial(variant: str) -> None:
+    import torch.distributed as dist
+
+
+    rank, tp = dist.get_rank(), dist.get_world_size()
+    serial = _serial_mlp()
     x = torch.randn(2, 5, 8)
     x_serial, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
     shard = slice(rank * 32 // tp, (rank + 1) * 32 // tp)
@@ -206,13 +213,9 @@ def test_tp_mlp():
 def _tp_mlp_split_versus_serial(variant: str) -> None:
     import torch.distributed as dist
 
-    from networks.vit import MLP
 
     rank, tp = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    serial = MLP(8, 32)
-    for p in serial.parameters():
-        torch.nn.init.normal_(p, std=0.5)
+    serial = _serial_mlp()
     ex = exercise("tp_mlp_split", variant)
     shards = ex.shard_mlp(serial.fc1.weight.detach(), serial.fc1.bias.detach(), serial.fc2.weight.detach(),
                           serial.fc2.bias.detach(), rank, tp)

@@ -146,6 +146,15 @@ def test_lr_schedule_warmup_then_cosine(cfg_factory):
     assert f(60) == pytest.approx(0.5) and f(110) == pytest.approx(0.0)
 
 
+def test_the_printed_tensorboard_command_runs_where_it_is_printed(tmp_path):
+    from training.launcher import tensorboard_command
+
+    assert tensorboard_command(tmp_path) == "tensorboard"  # a container: the one on PATH
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "tensorboard").touch()
+    assert tensorboard_command(tmp_path) == ".venv/bin/tensorboard"  # a clone after make train
+
+
 def test_local_batch_size():
     assert local_batch_size(16, 4) == 4
     assert local_batch_size(16, 3, override=5) == 5

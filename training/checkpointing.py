@@ -55,9 +55,9 @@ def trainer_state(trainer: Trainer) -> dict[str, Any]:
 def check_finite(trainer: Trainer, epoch_loss_sum: float) -> None:
     """Refuse, on every rank alike, to checkpoint a NaN or infinite loss or weight: it would
     replace the last good checkpoint with one that no rerun can recover from."""
-    bad = torch.zeros(2, device=trainer.device)
-    bad[0] = 0.0 if math.isfinite(epoch_loss_sum) else 1.0
-    bad[1] = sum(float(not torch.isfinite(p).all()) for p in trainer.raw_model.parameters())
+    finite = torch.stack([torch.isfinite(p).all() for p in trainer.raw_model.parameters()])
+    bad = torch.stack([torch.tensor(not math.isfinite(epoch_loss_sum), device=trainer.device),
+                       (~finite).any()]).float()  # on the device: one host sync, below
     all_reduce_sum(bad)  # over every rank: shards differ, the decision must not
     if bad.any():
         what = "training loss" if bad[0] else "model weights"

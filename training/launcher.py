@@ -29,7 +29,7 @@ from training.context import RunContext, local_batch_size
 from training.trainer import Trainer, TrainingError
 from utils import device as dev
 from utils import signals
-from utils.config import DEFAULT_YAML, Config, load_config, with_overrides
+from utils.config import DEFAULT_YAML, REPO_ROOT, Config, load_config, with_overrides
 from utils.logging_utils import setup_logging
 
 log = logging.getLogger(__name__)
@@ -196,9 +196,15 @@ def train(trainer: Trainer, cfg: Config, ctx: RunContext) -> int:
             dist.barrier()
         return signals.EXIT_STOPPED
     if ctx.is_main:
-        log.info("TensorBoard logs are in %s; view them with: .venv/bin/tensorboard --logdir %s",
-                 ctx.run_dir, cfg.exp_path)
+        log.info("TensorBoard logs are in %s; view them with: %s --logdir %s",
+                 ctx.run_dir, tensorboard_command(), cfg.exp_path)
     return 0
+
+
+def tensorboard_command(root: Path = REPO_ROOT) -> str:
+    """How to start TensorBoard here, as printed: the repository's venv one if there is one
+    (a fresh clone after `make train` has not activated it), else the one on PATH (a container)."""
+    return ".venv/bin/tensorboard" if (root / ".venv" / "bin" / "tensorboard").exists() else "tensorboard"
 
 
 def _env_ok() -> bool:

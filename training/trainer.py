@@ -212,9 +212,6 @@ class Trainer:
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         consolidate.load_full_optimizer_state(self.optimizer, state, self.ctx.mesh)
 
-    def state_dict(self) -> dict[str, Any]:
-        return checkpointing.trainer_state(self)
-
     def save_checkpoint(self) -> None:
         checkpointing.save(self)
 

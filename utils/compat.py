@@ -13,7 +13,6 @@ import sys
 import torch
 
 MIN_TORCH = (2, 8)
-TESTED_TORCH = ((2, 8), (2, 13))
 INSTALL_HINT = ("pip install 'torch>=2.8' (or `make venv`, which installs 2.13.0), or use a container "
                 "with PyTorch 2.8 or newer (on Perlmutter: nersc/pytorch:25.06.01)")
 
