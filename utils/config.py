@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,8 +112,9 @@ class Config:
                                "(CPU or GPU)", "profiling")
 
     def __post_init__(self) -> None:
-        _check_types(self)
-        _check_values(self)
+        from utils.config_checks import check_config  # the checks import nothing from here
+
+        check_config(self)
 
     @property
     def data_path(self) -> Path:
@@ -140,117 +140,13 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "activation_checkpointing",
 })
 
-HINTS = typing.get_type_hints(Config)
-FIELDS = tuple(HINTS)
+FIELDS = tuple(typing.get_type_hints(Config))
 
 
 def resolve_path(path: str) -> Path:
     """Absolute paths stay; relative ones are taken from the repository root."""
     p = Path(path).expanduser()
     return p if p.is_absolute() else REPO_ROOT / p
-
-
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if origin is tuple:
-        args = typing.get_args(hint)
-        return (
-            isinstance(value, tuple)
-            and len(value) == len(args)
-            and all(_type_ok(v, a) for v, a in zip(value, args))
-        )
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _type_name(name: str) -> str:
-    return str(HINTS[name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
-
-
-def _check_types(cfg: Config) -> None:
-    for name in FIELDS:
-        value = getattr(cfg, name)
-        if not _type_ok(value, HINTS[name]):
-            raise ValueError(
-                f"config key '{name}' must be {_type_name(name)}, got {value!r}; "
-                f"fix it in the YAML file or on the command line"
-            )
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"config key '{name}' is {value!r}; choose one of {', '.join(choices)}")
-
-
-def _check_values(cfg: Config) -> None:
-    for f in dataclasses.fields(cfg):
-        if "choices" in f.metadata:
-            _check_choice(f.name, getattr(cfg, f.name), f.metadata["choices"])
-    names = cfg.parallel_order.split("-")
-    if not all(n.isalpha() for n in names) or len(set(names)) != len(names):
-        raise ValueError(f"config key 'parallel_order' is {cfg.parallel_order!r}; name each parallel "
-                         f"dimension once, separated by '-', fastest-varying first, e.g. 'tp-cp-dp'")
-    if cfg.amp_mode == "fp16" and cfg.tensor_parallel > 1:  # each rank's GradScaler decides alone
-        raise ValueError("amp_mode fp16 does not work with tensor_parallel > 1 (the ranks' loss "
-                         "scalers would skip different steps); use --amp_mode bf16")
-    if cfg.bucket_cap_mb <= 0:
-        raise ValueError(f"config key 'bucket_cap_mb' must be positive, got {cfg.bucket_cap_mb}")
-    if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
-        raise ValueError(f"config key 'adam_betas' must be two numbers in [0, 1), got {cfg.adam_betas}")
-    positive = ("patch_size", "embed_dim", "depth", "num_heads", "n_in_channels",
-                "n_out_channels", "dt", "num_iters", "global_batch_size",
-                "tensor_parallel", "context_parallel", "stop_check_every", "rendezvous_timeout_s",
-                "collective_timeout_s")
-    for name in positive:
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"config key '{name}' must be at least 1, got {getattr(cfg, name)}")
-    for name in ("warmup", "num_data_workers", "checkpoint_every", "seed"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"config key '{name}' must be 0 or more, got {getattr(cfg, name)}")
-    for name in ("limit_nsamples", "limit_nsamples_val", "local_batch_size"):
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise ValueError(f"config key '{name}' must be None or at least 1, got {value}")
-    _check_profiling(cfg)
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise ValueError(f"config key 'dropout' must be in [0, 1), got {cfg.dropout}")
-    if cfg.lr <= 0:
-        raise ValueError(f"config key 'lr' must be positive, got {cfg.lr}")
-    h, w = cfg.img_size
-    if h % cfg.patch_size or w % cfg.patch_size:
-        raise ValueError(
-            f"img_size {h} x {w} is not divisible by patch_size {cfg.patch_size}; "
-            f"choose a patch size that divides both"
-        )
-    if cfg.embed_dim % cfg.num_heads:
-        raise ValueError(
-            f"embed_dim {cfg.embed_dim} is not divisible by num_heads {cfg.num_heads}; "
-            f"change one of them"
-        )
-    if cfg.n_out_channels > cfg.n_in_channels:
-        raise ValueError(
-            f"n_out_channels {cfg.n_out_channels} exceeds n_in_channels {cfg.n_in_channels}"
-        )
-
-
-def _check_profiling(cfg: Config) -> None:
-    for name in ("profile_epoch", "profile_start_step"):
-        value = getattr(cfg, name)
-        if value is not None and value < 0:
-            raise ValueError(f"config key '{name}' must be 0 or more, got {value}")
-    if cfg.profile_num_steps is not None and cfg.profile_num_steps < 1:
-        raise ValueError(f"config key 'profile_num_steps' must be None or at least 1, "
-                         f"got {cfg.profile_num_steps}")
-    if cfg.profile and cfg.profile_epoch is None:
-        raise ValueError("--profile needs a profiling window: add --profile_epoch E "
-                         "(and optionally --profile_start_step, --profile_num_steps)")
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
