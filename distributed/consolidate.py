@@ -1,7 +1,9 @@
 """Consolidated state: whole tensors with the serial model's names, from and to this rank's shards.
 
 Checkpoints hold what the serial model would hold, so a run can continue in any layout
-(or in train.py). Each parameter's tag (distributed/tags.py) says how it is split.
+(or in train.py). Each parameter's tag (distributed/tags.py) says how it is split over tp;
+under FSDP a parameter is also sharded over dp (a DTensor), and under ZeRO-1 the optimizer
+state is spread over the dp ranks (distributed/sharding.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import nn
 
 from distributed.mappings import _all_gather
 from distributed.mesh import ParallelMesh
+from distributed.sharding import full, like, local_optimizer
 from distributed.tags import ParamSpec, spec
 
 
@@ -27,7 +30,9 @@ def take_shard(full: torch.Tensor, p_spec: ParamSpec, mesh: ParallelMesh) -> tor
 
 
 def gather_full(t: torch.Tensor, p_spec: ParamSpec, mesh: ParallelMesh) -> torch.Tensor:
-    """The whole tensor from every tp rank's shard (collective over tp for sharded ones)."""
+    """The whole tensor from every rank's shard (collective over dp for an FSDP-sharded tensor,
+    over tp for a tp-sharded one)."""
+    t = full(t)
     tp = mesh.size("tp")
     if p_spec.shard_dim is None or tp == 1:
         return t.detach().clone()
@@ -46,10 +51,10 @@ def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], mesh: Para
                          f"unexpected {unexpected[:3]}); was it written for another model size?")
     for name, p in own.items():
         shard = take_shard(state[name], spec(p), mesh).to(p.device)
-        if shard.shape != p.shape:
+        if shard.shape != p.shape:  # a DTensor's shape is that of the whole (unsharded) tensor
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(state[name].shape)}, which "
                              f"does not fit this model; was it written for another model size?")
-        p.copy_(shard)
+        p.copy_(like(shard, p))
 
 
 def full_state(model: nn.Module, mesh: ParallelMesh, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -68,7 +73,13 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer, mesh: ParallelMesh) -> dict[str, Any]:
-    """The optimizer's state dict with every per-element tensor consolidated (collective over tp)."""
+    """The optimizer's state dict with every per-element tensor consolidated (collective over tp
+    and, under FSDP, dp). Under ZeRO-1 dp rank 0 first collects every rank's share; the other
+    dp ranks get an empty dict (only rank 0 writes checkpoints)."""
+    if local_optimizer(optimizer) is not optimizer:  # ZeroRedundancyOptimizer
+        optimizer.consolidate_state_dict(to=0)  # collective over dp; to: rank in the dp group
+        if mesh.dp_rank != 0:
+            return {}
     state = optimizer.state_dict()
     params = _optimizer_params(optimizer)
     state["state"] = {i: {k: gather_full(v, spec(params[i]), mesh) if _per_element(v) else v
@@ -80,6 +91,7 @@ def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str,
                               mesh: ParallelMesh) -> None:
     params = _optimizer_params(optimizer)
     state = dict(state)
-    state["state"] = {i: {k: take_shard(v, spec(params[i]), mesh) if _per_element(v) else v
+    state["state"] = {i: {k: like(take_shard(v, spec(params[i]), mesh), params[i])
+                          if _per_element(v) else v
                           for k, v in s.items()} for i, s in state["state"].items()}
-    optimizer.load_state_dict(state)
+    optimizer.load_state_dict(state)  # ZeRO-1: each rank keeps the state of its own share

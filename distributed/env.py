@@ -164,3 +164,10 @@ def all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> t
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+def all_reduce_max(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Maximum over the ranks of ``group`` in place (a no-op without a process group)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t

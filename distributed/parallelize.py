@@ -13,8 +13,10 @@ starts from the same weights. :func:`parallelize` then transforms it, always in 
 3. torch.compile (``enable_jit``) of each transformer block, in place (``Module.compile``), so
    parameter names stay serial; per block, as torchtitan does, so that DDP can start a
    block's gradient all-reduce while backward still runs through the blocks before it.
-4. data parallel (:func:`~distributed.tags.wrap_data_parallel`): DDP over the dp dimension,
-   with a comm hook that also sums gradients over cp when the tags ask for it.
+4. data parallel over the dp dimension, as ``data_parallel`` says: DDP
+   (:func:`~distributed.tags.wrap_data_parallel`, with a comm hook that also sums gradients
+   over cp when the tags ask for it; also for zero1, whose sharding is in the optimizer), or
+   FSDP (:func:`~distributed.sharding.apply_fsdp`: each block, then the root).
 
 An instructor adding a kind of parallelism adds its step here, in its place in the order.
 """
@@ -36,6 +38,7 @@ from distributed.layers import (
     sequence_sizes,
 )
 from distributed.mesh import ParallelMesh
+from distributed.sharding import apply_fsdp, fsdp_active
 from distributed.tags import tag_model, wrap_data_parallel
 from networks.vit import ViT
 from utils.config import Config
@@ -84,4 +87,6 @@ def parallelize(model: ViT, mesh: ParallelMesh, cfg: Config, device: torch.devic
     if cfg.enable_jit:
         for block in model.blocks.values():
             block.compile()
+    if fsdp_active(cfg, mesh):
+        return apply_fsdp(model, mesh, cfg)
     return wrap_data_parallel(model, mesh, device, cfg)

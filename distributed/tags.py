@@ -61,15 +61,21 @@ def needs_grad_sum(model: nn.Module) -> bool:
 
 def install_grad_sum_hooks(model: nn.Module, mesh: ParallelMesh) -> None:
     """Sum every tagged gradient over its dimensions as soon as it is accumulated in backward.
-    Used when there is no DDP (dp = 1 or --noddp); with DDP the comm hook does it."""
+    Used when there is no DDP (dp = 1 or --noddp); with DDP the comm hook does it.
+    ``model.grad_sum_switch["on"]`` turns them off for gradient accumulation's first
+    micro-batches (distributed/sharding.py): the last one's hook then sums the accumulated total."""
+    switch = {"on": True}
+    model.grad_sum_switch = switch
     for p in model.parameters():
         groups = [mesh.group(n) for n in spec(p).grad_sum if mesh.size(n) > 1]
         if groups:
-            p.register_post_accumulate_grad_hook(_make_sum_hook(groups))
+            p.register_post_accumulate_grad_hook(_make_sum_hook(groups, switch))
 
 
-def _make_sum_hook(groups):
+def _make_sum_hook(groups, switch: dict[str, bool]):
     def hook(p: torch.Tensor) -> None:
+        if not switch["on"]:
+            return
         for g in groups:
             dist.all_reduce(p.grad, group=g)
 

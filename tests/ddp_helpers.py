@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from ruamel.yaml import YAML
 
-from tests.conftest import TEST_IMG
+from tests.conftest import REPO, TEST_IMG, subprocess_env
 from utils.config import DEFAULT_YAML, load_config
 
 
@@ -35,3 +37,20 @@ def run_dir(expdir: Path, ranks: int, run_num: str = "00") -> Path:
 
 def metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(path) / "metrics.jsonl").read_text().splitlines()]
+
+
+WORKER = REPO / "tests" / "ddp_worker.py"
+RUN_TIMEOUT = 120  # seconds for one torchrun job; a healthy one takes 10-20 s here
+
+
+def run(nproc: int, args: list[str], timeout: float = RUN_TIMEOUT, max_restarts: int = 0,
+        **env: str) -> subprocess.CompletedProcess:
+    """The fault-injecting train.py (tests/ddp_worker.py; train_mp.py with
+    DDP_TEST_MODEL_PARALLEL=1) on ``nproc`` ranks, through torchrun when there are several."""
+    if nproc == 1:
+        cmd = [sys.executable, str(WORKER)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", f"--max_restarts={max_restarts}", str(WORKER)]
+    return subprocess.run(cmd + args, cwd=REPO, env=subprocess_env(**env), capture_output=True,
+                          text=True, timeout=timeout)

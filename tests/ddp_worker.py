@@ -6,7 +6,12 @@ Environment variables (all optional):
   DDP_TEST_SIGNAL_AT=R:S  rank R sends itself SIGUSR1 during its step S
   DDP_TEST_SIGNAL=INT     ... that signal instead (TERM, INT, USR1, USR2)
   DDP_TEST_SIGNAL_TWICE=1 ... twice in a row, as a launcher forwarding a group signal does
+  DDP_TEST_MODEL_PARALLEL=1  run as train_mp.py (model-parallel sizes allowed)
   DDP_TEST_READONLY=DIR   every rank but 0 fails if it opens a file under DIR for writing
+  DDP_TEST_EXIT_AT=R:S    rank R exits at once (status 1, nothing cleaned up) in its step S, in the
+                          first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT 0)
+  DDP_TEST_DIE_BEFORE_LATEST=S  the process dies when its sharded checkpoint of step S is on
+                          disk but not yet named by LATEST (a save killed midway)
 """
 
 from __future__ import annotations
@@ -55,8 +60,11 @@ class FaultyTrainer(Trainer):
     raise_at = _at("DDP_TEST_RAISE_AT")
     nan_at = _at("DDP_TEST_NAN_AT")
     signal_at = _at("DDP_TEST_SIGNAL_AT")
+    exit_at = _at("DDP_TEST_EXIT_AT") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else None
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        if self.step == self.exit_at:
+            os._exit(1)
         if self.step == self.raise_at:
             raise RuntimeError(f"injected failure on rank {RANK} at step {self.step}")
         if self.step == self.signal_at:
@@ -69,7 +77,23 @@ class FaultyTrainer(Trainer):
         return loss
 
 
+def die_before_latest(step: int) -> None:
+    from utils import checkpoint
+
+    write = checkpoint.write_text_atomic
+
+    def dying_write(path, text: str) -> None:
+        if text == f"step_{step:08d}":
+            os._exit(1)
+        write(path, text)
+
+    checkpoint.write_text_atomic = dying_write
+
+
 if __name__ == "__main__":
+    if os.environ.get("DDP_TEST_DIE_BEFORE_LATEST"):
+        die_before_latest(int(os.environ["DDP_TEST_DIE_BEFORE_LATEST"]))
     if RANK != 0 and os.environ.get("DDP_TEST_READONLY"):
         forbid_writes_under(os.environ["DDP_TEST_READONLY"])
-    sys.exit(main(FaultyTrainer, description="train.py with fault injection"))
+    sys.exit(main(FaultyTrainer, description="train.py with fault injection",
+                  model_parallel=os.environ.get("DDP_TEST_MODEL_PARALLEL") == "1"))

@@ -6,8 +6,6 @@ torchrun stop the others and exit non-zero, and a hang fails the test at the tim
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,18 +13,13 @@ import pytest
 import torch
 
 from distributed.env import first_host, parse_env
-from tests.conftest import REPO, subprocess_env
-from tests.ddp_helpers import metrics, run_dir, train_args, write_test_yaml
+from tests.ddp_helpers import metrics, run, run_dir, train_args, write_test_yaml
 from utils.checkpoint import CHECKPOINT_NAME
 from utils.config import DEFAULT_YAML, load_config
 from utils.data_loader import ERA5Dataset, ShardedSampler, get_data_loader
 from utils.signals import EXIT_STOPPED
 
 pytestmark = pytest.mark.xdist_group("ddp")  # with make test's -n 2: the module fixtures run once
-
-WORKER = REPO / "tests" / "ddp_worker.py"
-RUN_TIMEOUT = 120  # seconds for one torchrun job; a healthy one takes 10-20 s here
-
 
 @pytest.fixture(scope="module")
 def test_yaml(tmp_path_factory) -> Path:
@@ -39,17 +32,6 @@ def args_for(data_dir, test_yaml):
         return train_args(test_yaml, data_dir, expdir, **extra)
 
     return make
-
-
-def run(nproc: int, args: list[str], timeout: float = RUN_TIMEOUT, **env: str
-        ) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        cmd = [sys.executable, str(WORKER)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", str(WORKER)]
-    return subprocess.run(cmd + args, cwd=REPO, env=subprocess_env(**env), capture_output=True,
-                          text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,13 @@
-"""A trainer's whole state in one checkpoint file: written atomically, only when it is sound,
-and loaded so that the run continues exactly as if it had never stopped.
+"""A trainer's whole state in a checkpoint: written atomically, only when it is sound, and
+loaded so that the run continues exactly as if it had never stopped.
 
-The file holds the consolidated model and optimizer state (whole tensors with the serial
-names, whatever the layout), the scheduler, the loss scaler, the step, the running sum of
-the epoch's training loss, the random generators and the configuration. Only rank 0 writes
-it; every rank takes part in the reductions that gather it.
+Two forms. The single file (``checkpoint.pt``, every layout but FSDP) holds the consolidated
+model and optimizer state (whole tensors with the serial names, whatever the layout); only
+rank 0 writes it, every rank takes part in the reductions that gather it. FSDP runs write
+sharded checkpoints (training/sharded_checkpoint.py), every rank its shards. Both hold the
+scheduler, the loss scaler, the step, the running sum of the epoch's training loss, the
+random generators and the configuration, and either loads into any layout: a run whose
+layout changed continues from whichever form is newer, then writes its own.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import numpy as np
 import torch
 
 from distributed.env import all_reduce_sum
+from distributed.sharding import local
+from training import sharded_checkpoint as sharded
 from training.context import TrainingError
 from training.upgrade import upgrade_checkpoint
 from utils import checkpoint as ckpt
@@ -34,13 +39,29 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 
 
-def trainer_state(trainer: Trainer) -> dict[str, Any]:
-    """Everything needed to continue (collective: every rank must call it)."""
+def find(run_dir: Path) -> Path | None:
+    """The checkpoint a run in ``run_dir`` continues from: the single file or the newest sharded
+    one, whichever holds the later step (both exist only if a save of the other form was
+    killed before it removed the older one)."""
+    found = [p for p in (run_dir / ckpt.CHECKPOINT_NAME, sharded.latest(run_dir))
+             if p is not None and p.exists()]
+    return max(found, key=lambda p: read_summary(p)["step"], default=None)
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """Step and settings of a checkpoint (its tensors are not read in)."""
+    state = sharded.read_trainer_file(path, mmap=True) if path.is_dir() else ckpt.load(path, mmap=True)
+    return {"step": state["step"], "config": state.get("config", {})}
+
+
+def trainer_state(trainer: Trainer, tensors: bool = True) -> dict[str, Any]:
+    """Everything needed to continue (collective: every rank must call it); without
+    ``tensors``, all but the model and optimizer state."""
     epoch_loss = all_reduce_sum(trainer.epoch_loss.clone(), trainer.ctx.dp_group).item()
     check_finite(trainer, epoch_loss)
+    state = {"model": trainer.model_state(), "optimizer": trainer.optimizer_state()} if tensors else {}
     return {
-        "model": trainer.model_state(),
-        "optimizer": trainer.optimizer_state(),
+        **state,
         "scheduler": trainer.scheduler.state_dict(),
         "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
         "step": trainer.step,
@@ -55,19 +76,22 @@ def trainer_state(trainer: Trainer) -> dict[str, Any]:
 def check_finite(trainer: Trainer, epoch_loss_sum: float) -> None:
     """Refuse, on every rank alike, to checkpoint a NaN or infinite loss or weight: it would
     replace the last good checkpoint with one that no rerun can recover from."""
-    finite = torch.stack([torch.isfinite(p).all() for p in trainer.raw_model.parameters()])
+    finite = torch.stack([torch.isfinite(local(p)).all() for p in trainer.raw_model.parameters()])
     bad = torch.stack([torch.tensor(not math.isfinite(epoch_loss_sum), device=trainer.device),
                        (~finite).any()]).float()  # on the device: one host sync, below
     all_reduce_sum(bad)  # over every rank: shards differ, the decision must not
     if bad.any():
         what = "training loss" if bad[0] else "model weights"
-        kept = (f"the last good checkpoint ({trainer.checkpoint_path}) is kept"
-                if trainer.checkpoint_path.is_file() else "no checkpoint was written")
+        last = find(trainer.ctx.run_dir)
+        kept = f"the last good checkpoint ({last}) is kept" if last else "no checkpoint was written"
         raise TrainingError(f"the {what} at step {trainer.step} is not finite (NaN or inf): not writing "
                             f"a checkpoint, {kept}; lower the learning rate or check the data")
 
 
 def save(trainer: Trainer) -> None:
+    if trainer.sharded_checkpoints:
+        save_sharded(trainer)
+        return
     state = trainer_state(trainer)  # every rank joins the reductions inside
     if trainer.ctx.is_main:
         try:
@@ -77,12 +101,32 @@ def save(trainer: Trainer) -> None:
                                 f"{err.strerror or err}; the previous checkpoint is kept. Free space "
                                 f"(or choose another --expdir) and run the same command again") from None
         log.info("checkpoint at step %d written to %s", trainer.step, trainer.checkpoint_path)
+        sharded.remove_all(trainer.ctx.run_dir)  # a sharded one of an earlier layout: now older
+
+
+def save_sharded(trainer: Trainer) -> None:
+    rest = trainer_state(trainer, tensors=False)
+    tensors = sharded.model_and_optimizer(trainer.raw_model, trainer.optimizer)
+    try:
+        folder = sharded.save(trainer.ctx.run_dir, trainer.step, tensors, rest, trainer.ctx.is_main)
+    except OSError as err:
+        raise TrainingError(f"could not write the sharded checkpoint in {trainer.ctx.run_dir}: "
+                            f"{err.strerror or err}; the previous checkpoint is kept. Free space "
+                            f"(or choose another --expdir) and run the same command again") from None
+    if trainer.ctx.is_main:
+        (trainer.ctx.run_dir / ckpt.CHECKPOINT_NAME).unlink(missing_ok=True)  # an older single file
+        log.info("sharded checkpoint at step %d written to %s", trainer.step, folder)
 
 
 def load(trainer: Trainer, path: Path) -> None:
-    state = upgrade_checkpoint(ckpt.load(path), trainer.cfg.num_heads)
-    trainer.load_model_state(state["model"])
-    trainer.load_optimizer_state(state["optimizer"])
+    if path.is_dir() and trainer.sharded_checkpoints:  # each rank reads the slices it needs
+        sharded.load_into(path, trainer.raw_model, trainer.optimizer)
+        state = sharded.read_trainer_file(path)
+    else:  # whole tensors, each rank keeps its part
+        state = sharded.read_consolidated(path) if path.is_dir() else ckpt.load(path)
+        state = upgrade_checkpoint(state, trainer.cfg.num_heads)
+        trainer.load_model_state(state["model"])
+        trainer.load_optimizer_state(state["optimizer"])
     trainer.scheduler.load_state_dict(state["scheduler"])
     if trainer.scaler and state["scaler"]:
         trainer.scaler.load_state_dict(state["scaler"])
@@ -118,3 +162,4 @@ def remove_temp_files(run_dir: Path) -> None:
     for tmp in run_dir.glob(f".{ckpt.CHECKPOINT_NAME}.tmp-*"):
         tmp.unlink(missing_ok=True)
         log.info("removed %s, left by a save that was killed", tmp.name)
+    sharded.remove_stale(run_dir)

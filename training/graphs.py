@@ -46,6 +46,9 @@ class GraphTrainer(Trainer):
         if cfg.amp_mode == "fp16":
             raise ValueError("train_graph.py supports amp_mode none or bf16: fp16's GradScaler "
                              "checks for inf on the host, which a CUDA graph cannot capture")
+        if cfg.data_parallel != "ddp" or cfg.grad_accum_steps > 1:
+            raise ValueError("train_graph.py captures one plain DDP step: use --data_parallel ddp and "
+                             "--grad_accum_steps 1 (train.py runs zero1, fsdp and accumulation)")
         self.stream = dev.new_stream(ctx.device)
         super().__init__(cfg, ctx, local_batch)
         ddp = isinstance(self.model, DistributedDataParallel)

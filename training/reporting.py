@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
+from distributed.sharding import local, local_optimizer
 from utils import device as dev
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ MIB = 2**20
 
 def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int, seconds: float,
               samples: int, steps: int, train_loss: float, val: dict[str, Any], val_seconds: float,
-              lr: float) -> None:
+              lr: float, memory: dict[str, float] | None = None) -> None:
     """Log one epoch (every rank's logger; rank 0 alone has a ``writer`` and writes files)."""
     rate = samples / seconds if seconds > 0 else float("nan")
     log.info("Time taken for epoch %d is %.2f sec, avg %.2f samples/sec", epoch + 1, seconds, rate)
@@ -50,7 +51,7 @@ def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int
     writer.flush()
     record = {"epoch": epoch + 1, "step": step, "train_loss": train_loss, "val_loss": val["loss"],
               "samples_per_sec": rate, "epoch_seconds": seconds,
-              "rmse": val["rmse"], "persistence": val["persistence"]}
+              "rmse": val["rmse"], "persistence": val["persistence"], "memory_MiB": memory or {}}
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -58,22 +59,24 @@ def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer,
                   device: torch.device) -> dict[str, float]:
     """What this rank holds (MiB), on every device; the allocator's peak on CUDA."""
-    params = list(model.parameters())
+    params = [local(p) for p in model.parameters()]  # under FSDP: this rank's shards
+    state = local_optimizer(optimizer).state  # under ZeRO-1: this rank's share
     report = {
         "parameters_MiB": sum(p.numel() * p.element_size() for p in params) / MIB,
         "gradients_MiB": sum(p.numel() * p.element_size() for p in params if p.requires_grad) / MIB,
-        "optimizer_MiB": sum(v.numel() * v.element_size() for s in optimizer.state.values()
+        "optimizer_MiB": sum(local(v).numel() * local(v).element_size() for s in state.values()
                              for v in s.values() if torch.is_tensor(v)) / MIB,
     }
     peak = dev.peak_memory_bytes(device)
     if peak is not None:
         report["allocator_peak_MiB"] = peak / MIB
+    else:  # CPU: the process's peak resident memory (weights, activations, data, libraries)
+        report["peak_rss_MiB"] = dev.process_peak_rss_bytes() / MIB
     return report
 
 
-def log_memory(writer: SummaryWriter | None, step: int, model: nn.Module,
-               optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    mem = memory_report(model, optimizer, device)
+def log_memory(writer: SummaryWriter | None, step: int, mem: dict[str, float],
+               device: torch.device) -> None:
     log.info("  Memory per rank (MiB): %s", ", ".join(f"{k[:-4]} {v:.1f}" for k, v in mem.items()))
     if writer is not None:
         for k, v in mem.items():

@@ -17,7 +17,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from utils import checkpoint as ckpt
+from training.checkpointing import find, read_summary
 from utils.config import MAY_CHANGE_ON_RESUME, Config
 
 log = logging.getLogger(__name__)
@@ -47,11 +47,8 @@ def check_can_create(run_dir: Path) -> None:
 
 def previous_run(run_dir: Path) -> dict[str, Any] | None:
     """Step and settings of the checkpoint in ``run_dir``, or None (tensors are not read in)."""
-    path = run_dir / ckpt.CHECKPOINT_NAME
-    if not path.is_file():
-        return None
-    state = ckpt.load(path, mmap=True)
-    return {"step": state["step"], "config": state.get("config", {})}
+    path = find(run_dir)
+    return None if path is None else read_summary(path)
 
 
 def check_same_run(previous: dict[str, Any], cfg: Config, run_dir: Path) -> None:

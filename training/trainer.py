@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from distributed import consolidate
-from distributed.env import all_reduce_sum
+from distributed import consolidate, sharding
+from distributed.env import all_reduce_max, all_reduce_sum
 from distributed.parallelize import parallelize
 from distributed.stop import StopAgreement
 from distributed.tags import unwrap
@@ -58,6 +58,10 @@ def make_lr_lambda(cfg: Config):
 class Trainer:
     def __init__(self, cfg: Config, ctx: RunContext, local_batch: int) -> None:
         self.cfg, self.ctx, self.local_batch = cfg, ctx, local_batch
+        if local_batch % cfg.grad_accum_steps:
+            raise ValueError(f"the local batch of {local_batch} samples does not split into "
+                             f"--grad_accum_steps {cfg.grad_accum_steps} equal micro-batches; choose a "
+                             f"number of micro-batches that divides it")
         self.device = ctx.device
         dev.seed_all(cfg.seed)
         dev.configure_matmul(self.device)
@@ -66,6 +70,9 @@ class Trainer:
         self.n_params = 0  # of the whole (serial) model, set by build_model
         self.model = self.build_model()
         self.raw_model = unwrap(self.model)
+        self.amp_mode = sharding.autocast_mode(cfg, ctx.mesh)  # FSDP's bf16 is its own policy
+        # FSDP alone writes sharded checkpoints; with tp its tensors are tp slices, consolidated
+        self.sharded_checkpoints = sharding.fsdp_active(cfg, ctx.mesh) and not ctx.mesh.model_parallel
         self.loss_fn = torch.compile(relative_l2_loss) if cfg.enable_jit else relative_l2_loss
         self.optimizer = self.build_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg))
@@ -104,23 +111,32 @@ class Trainer:
         return model
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.model.parameters(), lr=self.cfg.lr, betas=self.cfg.adam_betas,
-                                **dev.adam_kernel(self.cfg.enable_fused))
+        return sharding.build_optimizer(self.model, self.cfg, self.ctx.mesh,
+                                        dev.adam_kernel(self.cfg.enable_fused))
 
     # --------------------------------------------------------------------- steps ---
     autocast_cache = True  # CUDA graph capture needs it off
 
     def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        with dev.autocast(self.device, self.cfg.amp_mode, cache_enabled=self.autocast_cache):
+        with dev.autocast(self.device, self.amp_mode, cache_enabled=self.autocast_cache):
             pred = self.model(inp)
         return self.loss_fn(pred.float(), tar)
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        """One optimizer step; returns the loss as a device tensor (no host sync)."""
-        with dev.nvtx_range("forward"):
-            loss = self.forward_loss(inp, tar)
-        with dev.nvtx_range("backward"):
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        """One optimizer step; returns the loss as a device tensor (no host sync).
+
+        With ``grad_accum_steps`` N the batch runs as N micro-batches whose gradients add up;
+        each loss is divided by N (the mean over the whole batch, as one big batch would give)
+        and only the last micro-batch's backward reduces gradients over the ranks."""
+        n = self.cfg.grad_accum_steps
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(zip(inp.chunk(n), tar.chunk(n))):
+            with sharding.gradient_sync(self.model, enabled=i == n - 1):
+                with dev.nvtx_range("forward"):
+                    loss = self.forward_loss(x, y) / n
+                with dev.nvtx_range("backward"):
+                    (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += loss.detach()
         with dev.nvtx_range("optimizer"):
             if self.scaler:
                 self.scaler.step(self.optimizer)
@@ -129,7 +145,7 @@ class Trainer:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
-        return loss.detach()
+        return total
 
     def to_device(self, inp: torch.Tensor, tar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nb = self.device.type == "cuda"
@@ -187,12 +203,16 @@ class Trainer:
         self.valid_data.set_epoch(0)
 
         def predict(inp: torch.Tensor) -> torch.Tensor:
-            with dev.autocast(self.device, self.cfg.amp_mode):
+            with dev.autocast(self.device, self.amp_mode):
                 return self.model(inp)
 
+        pad_to = 0  # FSDP gathers weights in every forward: every dp rank runs as many batches
+        if sharding.fsdp_active(self.cfg, self.ctx.mesh):
+            most = torch.tensor(float(self.valid_data.batches_per_epoch), device=self.device)
+            pad_to = int(all_reduce_max(most, self.ctx.dp_group).item())
         batches = (self.to_device(inp, tar) for inp, tar in self.valid_data)
         return validation.evaluate(predict, batches, self.cfg.n_out_channels, self.lat_weights,
-                                   self.ctx.dp_group)
+                                   self.ctx.dp_group, pad_to)
 
     # --------------------------------------------------------------- checkpoints ---
     @property
@@ -226,9 +246,10 @@ class Trainer:
     def log_epoch(self, epoch: int, seconds: float, steps: int, train_loss: float,
                   val: dict[str, Any], val_seconds: float) -> None:
         samples = steps * self.local_batch * self.ctx.dp_size
+        memory = reporting.memory_report(self.raw_model, self.optimizer, self.device)
         reporting.log_epoch(self.writer, self.ctx.run_dir, epoch, self.step, seconds, samples, steps,
-                            train_loss, val, val_seconds, self.optimizer.param_groups[0]["lr"])
-        reporting.log_memory(self.writer, self.step, self.raw_model, self.optimizer, self.device)
+                            train_loss, val, val_seconds, self.optimizer.param_groups[0]["lr"], memory)
+        reporting.log_memory(self.writer, self.step, memory, self.device)
 
     def finish_epoch_loss(self) -> float:
         """Average training loss of the epoch over all data-parallel ranks (one host sync)."""
@@ -244,8 +265,9 @@ class Trainer:
     # ----------------------------------------------------------------------- fit ---
     def fit(self) -> dict[str, Any]:
         """Train until ``num_iters`` steps; resume first if the run directory has a checkpoint."""
-        if self.checkpoint_path.is_file():
-            self.load_checkpoint(self.checkpoint_path)
+        found = checkpointing.find(self.ctx.run_dir)
+        if found is not None:
+            self.load_checkpoint(found)
             if self.step >= self.cfg.num_iters:  # nothing to do: touch nothing (no TensorBoard purge)
                 log.info("this run already took all %d steps; to train again, pass another --run_num "
                          "(or --num_iters N to train it further)", self.cfg.num_iters)
@@ -278,7 +300,7 @@ class Trainer:
             if self.checkpoint_due():  # a checkpoint on the epoch's last step, after validation
                 self.save_checkpoint()
         self.stop_agreement.drain()
-        if val or self.stopped_early or not self.checkpoint_path.is_file():
+        if val or self.stopped_early or checkpointing.find(self.ctx.run_dir) is None:
             self.save_checkpoint()
         if self.writer is not None:
             self.writer.close()

@@ -22,12 +22,17 @@ from utils.metrics import relative_l2_per_sample, weighted_rmse_per_sample
 @torch.no_grad()
 def evaluate(predict: Callable[[torch.Tensor], torch.Tensor],
              batches: Iterable[tuple[torch.Tensor, torch.Tensor]], n_out: int,
-             lat_weights: torch.Tensor, dp_group: Any = None) -> dict[str, Any]:
-    """Run ``predict`` over ``batches`` (input, target on the device); one all-reduce at the end."""
+             lat_weights: torch.Tensor, dp_group: Any = None, pad_to: int = 0) -> dict[str, Any]:
+    """Run ``predict`` over ``batches`` (input, target on the device); one all-reduce at the end.
+
+    ``pad_to``: the most batches any rank has (the samples need not split evenly); a rank with
+    fewer repeats its last forward, unused, until it has run as many. Needed when the forward
+    itself communicates over the data-parallel ranks (FSDP's weight gathers)."""
     # sums: [loss, count, rmse(C), persistence rmse(C)]
     sums = torch.zeros(2 + 2 * n_out, device=lat_weights.device, dtype=torch.float64)
-    example = None
+    example, inp, done = None, None, 0
     for inp, tar in batches:
+        done += 1
         pred = predict(inp).float()
         sums[0] += relative_l2_per_sample(pred, tar).sum()
         sums[1] += inp.shape[0]
@@ -36,6 +41,8 @@ def evaluate(predict: Callable[[torch.Tensor], torch.Tensor],
         sums[2 + n_out :] += weighted_rmse_per_sample(persistence, tar, lat_weights).sum(0)
         if example is None:
             example = (pred[0].cpu(), tar[0].cpu())
+    for _ in range(pad_to - done):
+        predict(inp)
     all_reduce_sum(sums, dp_group)
     count = sums[1].item()
     if count == 0:

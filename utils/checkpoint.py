@@ -37,6 +37,17 @@ def save_atomic(state: dict[str, Any], path: Path) -> None:
         os.close(dir_fd)
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace a small text file in one step (readers see the old or the new content)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def load(path: Path, map_location: str | torch.device = "cpu", mmap: bool = False) -> dict[str, Any]:
     """The checkpoint's contents (``mmap``: tensors stay on disk until used)."""
     try:

@@ -27,6 +27,7 @@ AMP_MODES = ("none", "fp16", "bf16")
 DATA_LOADERS = ("pytorch", "dali")
 LR_SCHEDULES = ("cosine", "constant")
 OPTIMIZERS = ("Adam",)
+DATA_PARALLEL = ("ddp", "zero1", "fsdp")
 ADAM_BETAS = (0.9, 0.95)  # beta2 0.95, as the tutorial: steadier with large batches
 
 
@@ -84,7 +85,17 @@ class Config:
     activation_checkpointing: str = key("none", "recompute activations in backward instead of storing "
                                         "them: none, full (every block), selective (every other one)",
                                         "memory", choices=("none", "full", "selective"))
-    # data parallel (DDP)
+    grad_accum_steps: int = key(1, "micro-batches per optimizer step: the local batch is split into N, "
+                                   "gradients add up, one gradient reduction per step", "memory")
+    # data parallel
+    data_parallel: str = key("ddp", "how the data-parallel ranks hold the training state: ddp "
+                             "(replicated), zero1 (optimizer state sharded), fsdp (parameters, "
+                             "gradients and optimizer state sharded)", "data parallel",
+                             choices=DATA_PARALLEL)
+    reshard_after_forward: bool = key(True, "fsdp: free the gathered parameters after forward and "
+                                            "gather them again in backward (ZeRO-3; "
+                                            "--no-reshard_after_forward keeps them: ZeRO-2)",
+                                      "data parallel")
     bucket_cap_mb: float = key(25.0, "DDP gradient bucket size in MB", "data parallel")
     rendezvous_timeout_s: float = key(60.0, "seconds to wait for every rank to start and meet "
                                             "(srun or plain environment; torchrun meets on its own)",
@@ -137,7 +148,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "stop_check_every", "profile_epoch", "profile_start_step", "profile_num_steps", "profile",
     "enable_fused", "enable_jit", "tensor_parallel", "context_parallel", "parallel_order",
     "bucket_cap_mb", "disable_broadcast_buffers", "rendezvous_timeout_s", "collective_timeout_s",
-    "activation_checkpointing",
+    "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",
 })
 
 FIELDS = tuple(typing.get_type_hints(Config))

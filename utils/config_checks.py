@@ -66,14 +66,15 @@ def _check_values(cfg: Config) -> None:
     if cfg.amp_mode == "fp16" and cfg.tensor_parallel > 1:  # each rank's GradScaler decides alone
         raise ValueError("amp_mode fp16 does not work with tensor_parallel > 1 (the ranks' loss "
                          "scalers would skip different steps); use --amp_mode bf16")
+    _check_data_parallel(cfg)
     if cfg.bucket_cap_mb <= 0:
         raise ValueError(f"config key 'bucket_cap_mb' must be positive, got {cfg.bucket_cap_mb}")
     if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
         raise ValueError(f"config key 'adam_betas' must be two numbers in [0, 1), got {cfg.adam_betas}")
     positive = ("patch_size", "embed_dim", "depth", "num_heads", "n_in_channels",
                 "n_out_channels", "dt", "num_iters", "global_batch_size",
-                "tensor_parallel", "context_parallel", "stop_check_every", "rendezvous_timeout_s",
-                "collective_timeout_s")
+                "tensor_parallel", "context_parallel", "stop_check_every", "grad_accum_steps",
+                "rendezvous_timeout_s", "collective_timeout_s")
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"config key '{name}' must be at least 1, got {getattr(cfg, name)}")
@@ -104,6 +105,22 @@ def _check_values(cfg: Config) -> None:
         raise ValueError(
             f"n_out_channels {cfg.n_out_channels} exceeds n_in_channels {cfg.n_in_channels}"
         )
+
+
+def _check_data_parallel(cfg: Config) -> None:
+    if cfg.data_parallel == "ddp":
+        return
+    if cfg.noddp:
+        raise ValueError(f"--noddp switches gradient synchronisation off, which data_parallel "
+                         f"{cfg.data_parallel} needs; use --data_parallel ddp with --noddp")
+    if cfg.data_parallel != "fsdp":
+        return
+    if cfg.amp_mode == "fp16":  # FSDP2 keeps no per-rank inf check in sync; bf16 needs no scaler
+        raise ValueError("amp_mode fp16 is not supported with data_parallel fsdp (its loss scaler "
+                         "would need the sharded gradients' inf checks combined); use --amp_mode bf16")
+    if cfg.context_parallel > 1:  # cp needs a gradient sum over cp, which FSDP's reduction lacks
+        raise ValueError("data_parallel fsdp does not combine with context_parallel > 1 here; use "
+                         "--data_parallel ddp or zero1 with context parallelism")
 
 
 def _check_profiling(cfg: Config) -> None:

@@ -101,6 +101,13 @@ def peak_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
+def process_peak_rss_bytes() -> int:
+    """The largest resident memory this process has had (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def seed_all(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 

@@ -1,0 +1,148 @@
+"""Sharded data parallelism: ZeRO-1 and FSDP2, and switching gradient reduction off for
+gradient accumulation.
+
+What each data-parallel rank holds, for P parameters trained with Adam in fp32 (the ZeRO
+paper counts 16 bytes per parameter for mixed precision: fp16 weights and gradients, fp32
+master weights and two moments):
+
+- ``ddp``: everything, 4 P (weights) + 4 P (gradients) + 8 P (Adam's two moments).
+- ``zero1`` (ZeRO stage 1, ``ZeroRedundancyOptimizer``): the moments of 1/N of the
+  parameters. Gradients are still all-reduced by DDP; after its local step each rank
+  broadcasts the parameters it updated.
+- ``fsdp`` (ZeRO stage 3, FSDP2 ``fully_shard``): 1/N of the weights, gradients and moments.
+  Before a block's forward (and again before its backward, with ``reshard_after_forward``)
+  its weights are all-gathered; after its backward the gradients are reduce-scattered, each
+  rank keeping the sum for its own slice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from distributed.mesh import ParallelMesh
+from distributed.tags import spec
+from utils.config import Config
+
+log = logging.getLogger(__name__)
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support
+        return None
+    return DTensor
+
+
+DTENSOR = _dtensor_type()
+
+
+def is_sharded(t: Any) -> bool:
+    return DTENSOR is not None and isinstance(t, DTENSOR)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` stored on this rank (an FSDP parameter's shard, else ``t``)."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole of ``t`` (collective over the ranks that shard it, else ``t`` itself)."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A whole tensor laid out like ``param``: sharded the same way when ``param`` is sharded
+    (every rank holds ``value`` and keeps its own slice)."""
+    if not is_sharded(param):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+
+
+def fsdp_active(cfg: Config, mesh: ParallelMesh) -> bool:
+    return cfg.data_parallel == "fsdp" and mesh.dp_size > 1
+
+
+def zero1_active(cfg: Config, mesh: ParallelMesh) -> bool:
+    return cfg.data_parallel == "zero1" and mesh.dp_size > 1
+
+
+def autocast_mode(cfg: Config, mesh: ParallelMesh) -> str:
+    """bf16 under FSDP comes from its mixed-precision policy (bf16 copies of the gathered
+    weights, fp32 master weights and gradient reduction), not from autocast."""
+    return "none" if fsdp_active(cfg, mesh) and cfg.amp_mode == "bf16" else cfg.amp_mode
+
+
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> nn.Module:
+    """``fully_shard`` each transformer block, then the root (patch embedding, norm, head).
+
+    Blocks first: each becomes one all-gather / reduce-scatter unit, so the next block's
+    gather overlaps this block's compute; the root then holds only what no block owns. The
+    root is not resharded after forward: backward starts with the head at once.
+    With tensor parallelism the shards are of this rank's tensor-parallel slice, over dp."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    tags = {name: spec(p) for name, p in model.named_parameters()}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if cfg.amp_mode == "bf16" else MixedPrecisionPolicy()
+    dp_mesh = mesh.device_mesh["dp"]
+    for block in model.blocks.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=cfg.reshard_after_forward,
+                    mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    for name, p in model.named_parameters():  # fully_shard made new (DTensor) parameters
+        p.mp_spec = tags[name]
+    return model
+
+
+def build_optimizer(model: nn.Module, cfg: Config, mesh: ParallelMesh,
+                    kernel: dict[str, bool]) -> torch.optim.Optimizer:
+    """Adam; under zero1 wrapped so that each dp rank keeps the state of its share only."""
+    options = {"lr": cfg.lr, "betas": cfg.adam_betas, **kernel}
+    if zero1_active(cfg, mesh):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                       process_group=mesh.dp_group, **options)
+    return torch.optim.Adam(model.parameters(), **options)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state (ZeRO's inner one)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """With ``enabled`` False, backward only accumulates local gradients: no all-reduce (DDP's
+    ``no_sync``), no reduce-scatter (FSDP keeps unsharded gradients until the last micro-batch),
+    no summing hooks. The micro-batch run with sync enabled then reduces the accumulated sum."""
+    if enabled:
+        yield
+        return
+    if hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:  # per-parameter summing hooks (distributed/tags.py), or nothing to synchronise
+        holder = getattr(model, "grad_sum_switch", None)
+        if holder is not None:
+            holder["on"] = False
+        try:
+            yield
+        finally:
+            if holder is not None:
+                holder["on"] = True
