@@ -65,7 +65,8 @@ def trainer_state(trainer: Trainer, tensors: bool = True) -> dict[str, Any]:
         "scheduler": trainer.scheduler.state_dict(),
         "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
         "step": trainer.step,
-        "epoch_loss_sum": epoch_loss,  # summed over data-parallel ranks
+        "epoch_loss_sum": epoch_loss,  # summed over data-parallel ranks...
+        "epoch_loss_ranks": trainer.ctx.dp_size,  # ...of which there were this many
         "epoch_steps": trainer.epoch_steps,
         "rng": {"device": dev.rng_state(trainer.device), "numpy": np.random.get_state(),
                 "python": random.getstate()},
@@ -131,8 +132,11 @@ def load(trainer: Trainer, path: Path) -> None:
     if trainer.scaler and state["scaler"]:
         trainer.scaler.load_state_dict(state["scaler"])
     trainer.step = state["step"]
-    # the epoch's loss sum so far goes to one rank, so the epoch-end reduction counts it once
-    trainer.epoch_loss.fill_(state["epoch_loss_sum"] if trainer.ctx.dp_rank == 0 else 0.0)
+    # the epoch's loss sum so far goes to one rank, so the epoch-end reduction counts it once;
+    # rescaled from the data-parallel ranks that summed it to those that will average it
+    ranks = state.get("epoch_loss_ranks", trainer.ctx.dp_size)
+    loss_sum = state["epoch_loss_sum"] * trainer.ctx.dp_size / ranks
+    trainer.epoch_loss.fill_(loss_sum if trainer.ctx.dp_rank == 0 else 0.0)
     trainer.epoch_steps = state["epoch_steps"]
     dev.set_rng_state(state["rng"]["device"], trainer.device)
     np.random.set_state(state["rng"]["numpy"])
