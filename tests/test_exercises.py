@@ -19,7 +19,7 @@ from training.trainer import Trainer
 from utils.data_loader import ERA5Dataset
 
 VARIANT = os.environ.get("EXERCISE_VARIANT", "solution")
-NAMES = ("sample_index", "amp_step", "allreduce_grads", "tp_mlp", "tp_mlp_split")
+NAMES = ("sample_index", "amp_step", "allreduce_grads", "tp_mlp", "tp_mlp_split", "grad_accum")
 
 
 def exercise(name: str, variant: str = VARIANT):
@@ -48,7 +48,8 @@ def test_shipped_exercises_are_unsolved(name, tmp_path):
     """The committed exercise files really have their key lines removed: the checks below fail on
     them. (Your own edits to them are not looked at here: `make exercise NAME=...` checks those.)"""
     module = shipped_exercise(name, tmp_path)
-    functions = ("locate", "amp_step", "average_gradients", "shard_mlp", "tp_mlp_forward")
+    functions = ("locate", "amp_step", "average_gradients", "shard_mlp", "tp_mlp_forward",
+                 "accumulate_gradients")
     fn = next(getattr(module, f) for f in functions if hasattr(module, f))
     with pytest.raises(NotImplementedError, match="exercise"):
         fn(*([None] * fn.__code__.co_argcount))
@@ -155,6 +156,90 @@ def _ddp_versus_manual(variant: str) -> None:
 @pytest.mark.timeout(120)
 def test_allreduce_grads():
     run_ranks(2, _ddp_versus_manual, VARIANT)
+
+
+def _grad_accum_versus_one_batch(variant: str) -> None:
+    """On each rank: accumulate_gradients over 4 micro-batches of its 8 samples under DDP must give
+    the gradients of one backward over the global batch of 16 on a plain model, with one
+    all-reduce per call (counted by a comm hook)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_micro, local = 4, 8
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    whole = copy.deepcopy(model)  # unwrapped, fed the whole global batch: the reference
+    alone = copy.deepcopy(model)  # unwrapped, fed this rank's batch: gradients never all-reduced
+    ddp = DistributedDataParallel(model)  # about 180 parameters: a single gradient bucket
+
+    def counting_allreduce(state: dict[str, int],
+                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Count the bucket, then reduce it as DDP does by default (average over the ranks)."""
+        state["buckets"] += 1
+        return default_hooks.allreduce_hook(None, bucket)
+
+    counter = {"buckets": 0}
+    ddp.register_comm_hook(counter, counting_allreduce)
+
+    def batches(step: int):
+        g = torch.Generator().manual_seed(step)  # the same global batch on every rank
+        x, y = torch.randn(world * local, 8, generator=g), torch.randn(world * local, 2, generator=g)
+        own = slice(rank * local, (rank + 1) * local)
+        return x, y, x[own], y[own]
+
+    # the counter itself: a loop without no_sync all-reduces once per micro-batch
+    _, _, x_own, y_own = batches(0)
+    for x, y in zip(x_own.chunk(n_micro), y_own.chunk(n_micro)):
+        (F.mse_loss(ddp(x), y) / n_micro).backward()
+    assert counter["buckets"] == n_micro, (  # fails if the model outgrew one bucket: not your code
+        f"the check itself is broken: {counter['buckets']} buckets without no_sync, want {n_micro}")
+    ddp.zero_grad(set_to_none=True)
+
+    sizes: list[int] = []  # the batch size of every loss_fn call
+
+    def loss_fn(pred: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        sizes.append(pred.shape[0])
+        return F.mse_loss(pred, tar)
+
+    accumulate = exercise("grad_accum", variant).accumulate_gradients
+    for step in range(2):
+        x, y, x_own, y_own = batches(step)
+        counter["buckets"] = 0
+        sizes.clear()
+        got = accumulate(ddp, loss_fn, x_own, y_own, n_micro)
+        assert sizes == [local // n_micro] * n_micro, (
+            f"the loss saw batches of {sizes}, want {n_micro} micro-batches of {local // n_micro}: "
+            f"split inp and tar with .chunk(n_micro) and run each through the model")
+        assert counter["buckets"] != 0, (
+            "the gradients were never all-reduced: run the last micro-batch outside model.no_sync()")
+        assert counter["buckets"] == 1, (
+            f"{counter['buckets']} gradient all-reduces in one call, want 1: run every micro-batch but "
+            f"the last inside model.no_sync()")
+        F.mse_loss(whole(x), y).backward()
+        own_loss = F.mse_loss(alone(x_own), y_own)
+        own_loss.backward()
+        for name, p, want, own in zip(("w1", "b1", "w2", "b2"), model.parameters(), whole.parameters(),
+                                      alone.parameters()):
+            assert_close_with_hint(p.grad, want.grad, f"rank {rank}'s gradient of {name}", {
+                f"it is {n_micro} times too large: divide each micro-batch's loss by n_micro":
+                    want.grad * n_micro,
+                "it is this rank's own gradient: the last micro-batch must run outside no_sync":
+                    own.grad,
+            })
+        assert float(got) == pytest.approx(own_loss.item(), rel=1e-5), (
+            "the returned loss is not the mean over the batch: sum the micro-batch losses after "
+            "dividing each by n_micro")
+        for m in (ddp, whole, alone):
+            m.zero_grad(set_to_none=True)
+
+
+@pytest.mark.timeout(120)
+def test_grad_accum():
+    run_ranks(2, _grad_accum_versus_one_batch, VARIANT)
 
 
 def _serial_mlp():

@@ -167,6 +167,8 @@ def check_local_python(cmd: Command, runner: Runner) -> None:
         out = runner.run(words + runner.train_overrides(config_of(words)), env)
         assert "Avg train loss=" in out, (f"trained nothing (an earlier command of this part used the "
                                           f"same run folder?): {cmd.text}\n{out[-1500:]}")
+    elif script == "convert_checkpoint.py":  # the runs' folders: under this test's --expdir
+        runner.run([str(runner.tmp / w) if w.startswith("logs/") else w for w in words], env)
     elif script == "make_synthetic_era5.py":
         runner.run(words + ["--output_dir", str(runner.tmp / "generated"), "--samples_per_year", "3",
                             "--quiet"], env)
@@ -187,6 +189,9 @@ SCRIPT_OVERRIDES = {
     "plot_prediction.py": lambda runner: [
         "--run_dir", str(trained_tiny_run(runner)), "--out", str(runner.tmp / "prediction.png")],
     "mp_memory.py": lambda runner: [],  # no data, no output files: runs as written
+    "sharding_report.py": lambda runner: [  # 1 and 2 ranks, one step each
+        "--ranks", "1", "2", "--steps", "1", "--out", str(runner.tmp / "sharding"),
+        "--", "--data_dir", str(runner.data_for("tiny_large"))],
     # the two runs of the README's commands just before it, and the committed example
     "plot_model_sizes.py": lambda runner: [
         "--run_dirs", *(str(runner.tmp / "logs" / c / "1GPU" / "sizes") for c in ("tiny_small",

@@ -6,8 +6,11 @@ its habits carry over.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +86,18 @@ def log_memory(writer: SummaryWriter | None, step: int, mem: dict[str, float],
             writer.add_scalar(f"Memory/{k}", v, step)
         writer.flush()
     dev.reset_peak_memory(device)
+
+
+@contextlib.contextmanager
+def compile_notice(device: torch.device, compiling: bool) -> Iterator[None]:
+    """With torch.compile the first step compiles (a minute or more on a CPU): say so, and how
+    long it took, instead of a silent wait."""
+    if not compiling:
+        yield
+        return
+    log.info("torch.compile: compiling the model in the first step (on a CPU this takes a "
+             "minute or more; validation compiles once more)")
+    start = time.time()
+    yield
+    dev.synchronize(device)
+    log.info("torch.compile: first step done in %.1f s", time.time() - start)

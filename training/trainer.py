@@ -10,11 +10,9 @@ subclass it (training/graphs.py: CUDA Graphs).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +84,7 @@ class Trainer:
         self.writer: SummaryWriter | None = None
         self.stop_agreement = StopAgreement(self.device, cfg.stop_check_every)
         self.stopped_early = False  # a stop signal ended training before num_iters
-        self._compile_noticed = False
+        self._steps_at_start = 0  # the step this process started from (set by fit)
 
     # ------------------------------------------------------------------ building ---
     def build_data(self, split: str, train: bool) -> Batches:
@@ -163,7 +161,8 @@ class Trainer:
                     dev.nvtx_range(f"step {self.step}"):
                 with dev.nvtx_range(f"data copy in {self.step}"):
                     inp, tar = self.to_device(inp, tar)
-                with self.first_step_notice():
+                with reporting.compile_notice(self.device, self.cfg.enable_jit and
+                                              self.step == self._steps_at_start):
                     self.epoch_loss += self.train_step(inp, tar)
             self.step += 1
             self.epoch_steps += 1
@@ -174,21 +173,6 @@ class Trainer:
             if self.checkpoint_due() and not self.at_epoch_end():  # the epoch's last: after validation
                 self.save_checkpoint()
         return done
-
-    @contextlib.contextmanager
-    def first_step_notice(self) -> Iterator[None]:
-        """With torch.compile the first step compiles (a minute or more on a CPU): say so, and how
-        long it took, instead of a silent wait."""
-        if not self.cfg.enable_jit or self._compile_noticed:
-            yield
-            return
-        self._compile_noticed = True
-        log.info("torch.compile: compiling the model in the first step (on a CPU this takes a "
-                 "minute or more; validation compiles once more)")
-        start = time.time()
-        yield
-        dev.synchronize(self.device)
-        log.info("torch.compile: first step done in %.1f s", time.time() - start)
 
     def at_epoch_end(self) -> bool:
         return self.step % self.train_data.batches_per_epoch == 0 or self.step >= self.cfg.num_iters
@@ -276,6 +260,7 @@ class Trainer:
             checkpointing.remove_temp_files(self.ctx.run_dir)
             checkpointing.trim_metrics(self.ctx.run_dir, self.step)
         self.open_writer()
+        self._steps_at_start = self.step
         spe = self.train_data.batches_per_epoch
         log.info("%d parameters; %d steps per epoch of %d samples; local batch %d on %d ranks",
                  self.n_params, spe, spe * self.local_batch * self.ctx.dp_size, self.local_batch,

@@ -1,0 +1,289 @@
+#!/usr/bin/env python
+"""What sharding saves, measured: memory per rank and communication per step for ddp, zero1
+and fsdp at 1, 2 and 4 ranks, activation memory with and without checkpointing, and which
+configurations fit on a 40 GB A100 on paper.
+
+    python scripts/sharding_report.py --config tiny_large --out sharding
+
+Every measurement is a real training run (train.py's loop, `--num_iters` steps, on CPU with
+gloo via torchrun, or on the GPUs there are). Memory per rank is rank 0's, from the run's
+metrics.jsonl: exact tensor sizes of parameters, gradients and Adam's state (this rank's
+shards), the process's peak resident memory on CPU. Communication is counted by wrapping
+the collectives during the training steps: DDP's gradient all-reduce (a comm hook), FSDP's
+all-gathers and reduce-scatters, ZeRO-1's parameter broadcasts. Writes OUT/sharding.md
+(the tables), OUT/sharding.json and OUT/sharding_memory.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODES = ("ddp", "zero1", "fsdp")
+COMM_FILE = "comm.json"
+A100_GB = 40
+
+
+# ------------------------------------------------------------ the worker (one rank) ---
+def count_collectives(counts: dict[str, float], active: list[bool]) -> None:
+    """Wrap the collectives that sharding uses so that each adds its payload (bytes) while
+    ``active[0]``: all-reduce and broadcast move their tensor, all-gather its output,
+    reduce-scatter its input."""
+    import torch.distributed as dist
+
+    def wrap(name: str, kind: str, payload) -> None:
+        original = getattr(dist, name, None)
+        if original is None:  # FSDP2 calls *_single from torch 2.13 on, *_tensor before
+            return
+
+        def counted(*args, **kwargs):
+            if active[0]:
+                t = payload(*args, **kwargs)
+                counts[kind] = counts.get(kind, 0) + t.numel() * t.element_size()
+            return original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+    def arg(position: int, keyword: str):  # positional or keyword, as callers differ
+        return lambda *a, **k: k[keyword] if keyword in k else a[position]
+
+    wrap("all_gather_into_tensor", "all_gather", arg(0, "output_tensor"))
+    wrap("all_gather_single", "all_gather", arg(0, "output_tensor"))
+    wrap("reduce_scatter_tensor", "reduce_scatter", arg(1, "input"))
+    wrap("reduce_scatter_single", "reduce_scatter", arg(1, "input"))
+    wrap("broadcast", "broadcast", arg(0, "tensor"))
+
+
+def worker(argv: list[str]) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from training.launcher import main
+    from training.trainer import Trainer
+
+    counts: dict[str, float] = {}
+    active = [False]
+    count_collectives(counts, active)
+
+    class CountingTrainer(Trainer):
+        def build_model(self):
+            model = super().build_model()
+            if hasattr(model, "register_comm_hook"):  # DDP: its all-reduce runs in C++, hook it
+                def hook(state, bucket):
+                    buf = bucket.buffer()
+                    if active[0]:
+                        counts["all_reduce"] = counts.get("all_reduce", 0) + buf.numel() * buf.element_size()
+                    buf.div_(dist.get_world_size(self.ctx.dp_group))
+                    work = dist.all_reduce(buf, group=self.ctx.dp_group, async_op=True)
+                    return work.get_future().then(lambda fut: fut.value()[0])
+
+                model.register_comm_hook(None, hook)
+            return model
+
+        def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+            active[0] = True
+            try:
+                return super().train_step(inp, tar)
+            finally:
+                active[0] = False
+                self.steps_counted = getattr(self, "steps_counted", 0) + 1
+
+        def fit(self):
+            result = super().fit()
+            if self.ctx.is_main:
+                per_step = {k: v / max(1, self.steps_counted) for k, v in counts.items()}
+                (self.ctx.run_dir / COMM_FILE).write_text(json.dumps(per_step))
+            return result
+
+    return main(CountingTrainer, argv, description="train.py counting its collectives")
+
+
+# ------------------------------------------------------------------ the driver ---
+def launch(ranks: int, flags: list[str], env: dict[str, str]) -> None:
+    me = [str(Path(__file__).resolve()), "--worker"]
+    cmd = [sys.executable, *me] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *me]
+    result = subprocess.run(cmd + flags, cwd=REPO, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"error: {' '.join(cmd + flags)} failed:\n{result.stderr[-2000:]}")
+
+
+def last_metrics(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def measure(args: argparse.Namespace, mode: str, ranks: int, checkpointing: str = "none") -> dict:
+    name = f"{mode}_{ranks}_{checkpointing}"
+    flags = [f"--yaml_config={args.yaml_config}", f"--config={args.config}", f"--run_num={name}",
+             f"--expdir={args.out / 'runs'}", f"--num_iters={args.steps}", "--checkpoint_every=0",
+             f"--global_batch_size={args.batch}", f"--data_parallel={mode}",
+             f"--activation_checkpointing={checkpointing}", "--limit_nsamples_val=8",
+             f"--limit_nsamples={args.batch * args.steps}", *args.flags]
+    # a fixed mmap threshold: glibc otherwise moves it as the process frees large blocks, and
+    # the peak resident memory of the same run would vary from one run to the next
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    launch(ranks, flags, env)
+    run_dir = next((args.out / "runs" / args.config).glob(f"*/{name}"))
+    m = last_metrics(run_dir)
+    comm = json.loads((run_dir / COMM_FILE).read_text()) if (run_dir / COMM_FILE).is_file() else {}
+    return {"mode": mode, "ranks": ranks, "checkpointing": checkpointing, "memory_MiB": m["memory_MiB"],
+            "samples_per_sec": m["samples_per_sec"], "comm_bytes_per_step": comm}
+
+
+def on_paper_bytes(params: int, mode: str, ranks: int) -> dict[str, float]:
+    """Per rank, mixed-precision Adam as the ZeRO paper counts it: 2 bytes/parameter of fp16
+    weights, 2 of gradients, 12 of optimizer state (fp32 weights and two moments)."""
+    weights, grads, optim = 2.0 * params, 2.0 * params, 12.0 * params
+    if mode in ("zero1", "fsdp"):
+        optim /= ranks
+    if mode == "fsdp":
+        weights /= ranks
+        grads /= ranks
+    return {"weights": weights, "gradients": grads, "optimizer": optim}
+
+
+def activation_bytes(cfg, local_batch: int, checkpointing: str) -> float:
+    """Activations saved for backward per rank in bf16, after Korthikanti et al. (2022): about
+    34 s h bytes per block per sample without the attention matrix (fused attention kernels do
+    not store it); full recomputation keeps only each block's input (2 s h) plus one block's
+    activations while it is recomputed; selective recomputes every other block."""
+    tokens = (cfg.img_size[0] // cfg.patch_size) * (cfg.img_size[1] // cfg.patch_size)
+    per_block = 34.0 * tokens * cfg.embed_dim * local_batch
+    block_input = 2.0 * tokens * cfg.embed_dim * local_batch
+    if checkpointing == "full":
+        return cfg.depth * block_input + per_block
+    if checkpointing == "selective":  # blocks 0, 2, 4, ... recomputed
+        return math.ceil(cfg.depth / 2) * block_input + (cfg.depth // 2 + 1) * per_block
+    return cfg.depth * per_block
+
+
+def fits_table(configs: list[str], yaml: str) -> list[str]:
+    from networks.vit import build_vit, count_parameters
+    from utils.config import load_config
+
+    lines = ["| config | parameters | ranks | local batch | activation checkpointing | ddp GB | zero1 GB "
+             "| fsdp GB |", "|---|---|---|---|---|---|---|---|"]
+    for name in configs:
+        cfg = load_config(yaml, name)
+        import torch
+
+        with torch.device("meta"):
+            params = count_parameters(build_vit(cfg))
+        for ranks in (4, 64):
+            local = max(1, cfg.global_batch_size // ranks)
+            for ac in ("none", "full"):
+                cells = []
+                for mode in MODES:
+                    total = sum(on_paper_bytes(params, mode, ranks).values()) + \
+                        activation_bytes(cfg, local, ac)
+                    gb = total / 1e9
+                    cells.append(f"{gb:.1f} {'fits' if gb < A100_GB * 0.9 else '**no**'}")
+                lines.append(f"| {name} | {params / 1e6:.0f}M | {ranks} | {local} | {ac} | "
+                             + " | ".join(cells) + " |")
+    return lines
+
+
+def memory_table(rows: list[dict], params: int) -> list[str]:
+    lines = ["| data_parallel | ranks | parameters MiB | gradients MiB | Adam state MiB | sum | "
+             "bytes/parameter | fp32 on paper | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r["memory_MiB"]
+        total = m["parameters_MiB"] + m["gradients_MiB"] + m["optimizer_MiB"]
+        paper = {"ddp": 16.0, "zero1": 8 + 8 / r["ranks"], "fsdp": 16 / r["ranks"]}[r["mode"]]
+        lines.append(f"| {r['mode']} | {r['ranks']} | {m['parameters_MiB']:.2f} | {m['gradients_MiB']:.2f} "
+                     f"| {m['optimizer_MiB']:.2f} | {total:.2f} | {total * 2**20 / params:.2f} | "
+                     f"{paper:.2f} | {m.get('peak_rss_MiB', float('nan')):.0f} |")
+    return lines
+
+
+def comm_table(rows: list[dict], params: int) -> list[str]:
+    lines = ["| data_parallel | ranks | all-reduce MiB | all-gather MiB | reduce-scatter MiB | broadcast MiB "
+             "| total / fp32 model size |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["comm_bytes_per_step"]
+        mib = {k: c.get(k, 0) / 2**20 for k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")}
+        lines.append(f"| {r['mode']} | {r['ranks']} | " + " | ".join(f"{v:.2f}" for v in mib.values())
+                     + f" | {sum(c.values()) / (4 * params):.2f} |")
+    return lines
+
+
+def checkpointing_table(acts: list[dict]) -> list[str]:
+    lines = ["| activation_checkpointing | peak RSS MiB | samples/s |", "|---|---|---|"]
+    for a in acts:
+        rss = a["memory_MiB"].get("peak_rss_MiB", float("nan"))
+        lines.append(f"| {a['checkpointing']} | {rss:.0f} | {a['samples_per_sec']:.1f} |")
+    return lines
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    labels = [f"{r['mode']}\n{r['ranks']} rank{'s' if r['ranks'] > 1 else ''}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for key, color in (("parameters_MiB", "tab:blue"), ("gradients_MiB", "tab:orange"),
+                       ("optimizer_MiB", "tab:green")):
+        values = [r["memory_MiB"][key] for r in rows]
+        ax.bar(labels, values, bottom=bottom, color=color, label=key.replace("_MiB", ""))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("MiB on rank 0")
+    ax.set_title("Training state per rank (measured)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def driver(argv: list[str] | None = None) -> int:
+    from networks.vit import build_vit, count_parameters
+    from utils.config import DEFAULT_YAML, load_config
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="tiny_large")
+    p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--steps", type=int, default=2, help="training steps per measurement")
+    p.add_argument("--batch", type=int, default=8, help="global batch")
+    p.add_argument("--out", type=Path, default=Path("sharding"))
+    p.add_argument("--paper_configs", nargs="*", default=["base", "large", "xl"],
+                   help="configs for the on-paper A100 table")
+    p.add_argument("flags", nargs="*", help="more train.py flags after --, e.g. -- --data_dir DIR")
+    args = p.parse_args(argv)
+    args.out = args.out.resolve()
+    params = count_parameters(build_vit(load_config(args.yaml_config, args.config)))
+    rows = [measure(args, mode, n) for mode in MODES for n in args.ranks if not (n == 1 and mode != "ddp")]
+    acts = [measure(args, "ddp", 1, ac) for ac in ("none", "selective", "full")]
+    md = [f"Config `{args.config}`: {params} parameters, global batch {args.batch}, {args.steps} steps, "
+          "fp32.",
+          "", "Memory per rank (rank 0):", "", *memory_table(rows, params), "",
+          "Communication per training step (rank 0, payload of each collective):", "",
+          *comm_table([r for r in rows if r["ranks"] > 1], params), "",
+          "Activation checkpointing, 1 rank:", "", *checkpointing_table(acts), "",
+          f"On paper, per GPU (bf16 mixed-precision Adam, 16 bytes/parameter as in the ZeRO paper, plus "
+          f"activations; 'fits' leaves 10% of a {A100_GB} GB A100 free):", "",
+          *fits_table(args.paper_configs, args.yaml_config)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sharding.md").write_text("\n".join(md) + "\n")
+    (args.out / "sharding.json").write_text(json.dumps({"rows": rows, "checkpointing": acts}, indent=1))
+    plot(rows, args.out / "sharding_memory.png")
+    print("\n".join(md))
+    print(f"wrote {args.out / 'sharding.md'} and {args.out / 'sharding_memory.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        sys.exit(worker(sys.argv[2:]))
+    sys.exit(driver())
