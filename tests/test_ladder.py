@@ -124,7 +124,7 @@ def test_compiled_model_and_loss_match_eager(cfg_factory, tmp_path, caplog):
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
     compiled.train_data.set_epoch(0)
-    with caplog.at_level("INFO", logger="training.trainer"):
+    with caplog.at_level("INFO", logger="training.reporting"):
         compiled.cfg = dataclasses.replace(compiled.cfg, num_iters=1)
         compiled.train_epoch(0, 0)
     assert "torch.compile: compiling the model in the first step" in caplog.text

@@ -273,7 +273,7 @@ def check_pytest(cmd: Command, runner: Runner) -> None:
 
 RULES = [
     (r"^(\.venv/bin/)?python3? -m pytest\b", check_pytest),
-    (r"^(python3?|\.venv/bin/python|torchrun|OMP_NUM_THREADS=\S+ torchrun)\b", check_local_python),
+    (r"^([A-Z_]+=\S+ )*(python3?|\.venv/bin/python|torchrun)\b", check_local_python),
     (r"^([A-Z_]+=\S+ )*sbatch\b", check_sbatch),
     (r"^make\b", check_make),
     (r"^srun\b", check_srun),
