@@ -1,9 +1,10 @@
 """The device mesh: every rank's place on a grid of named parallel dimensions.
 
-The ranks are laid out on a grid with one axis per parallel dimension (today tp, cp
-and dp). The order string (default ``tp-cp-dp``) says which dimension varies fastest:
+The ranks are laid out on a grid with one axis per parallel dimension (tp, cp, dp and
+pp). The order string (default ``tp-cp-dp``) says which dimension varies fastest:
 with ``tp-cp-dp`` the ranks of one tensor-parallel group are consecutive (on one node,
-over NVLink), and data parallelism spans nodes.
+over NVLink), data parallelism spans nodes, and pipeline stages (appended when the order
+does not name pp) vary slowest: the cheap point-to-point activations cross the slowest links.
 
 Example, 8 ranks, ``tp=4``: tensor-parallel groups [0, 1, 2, 3] and [4, 5, 6, 7]; data
 groups [0, 4], [1, 5], [2, 6], [3, 7].
@@ -37,6 +38,7 @@ DIMENSIONS: dict[str, str | None] = {
     "tp": "tensor_parallel",
     "cp": "context_parallel",
     "dp": None,
+    "pp": "pipeline_parallel",  # last: an order that does not name it puts it slowest (across nodes)
 }
 DATA = "dp"
 
@@ -169,8 +171,10 @@ class ParallelMesh:
         return math.prod(self.sizes.values())
 
     def layout_name(self) -> str:
-        """For run directories: '2GPU_tp2_cp1_dp1' (every dimension, in DIMENSIONS' order)."""
-        return f"{self.world_size}GPU_" + "_".join(f"{n}{self.size(n)}" for n in DIMENSIONS)
+        """For run directories: '2GPU_tp2_cp1_dp1' (tp, cp, dp; pp only when it is larger than 1,
+        so the names of runs without a pipeline stay as they were: '4GPU_tp1_cp1_dp2_pp2')."""
+        return f"{self.world_size}GPU_" + "_".join(f"{n}{self.size(n)}" for n in DIMENSIONS
+                                                   if n != "pp" or self.size(n) > 1)
 
     def describe(self) -> str:
         parts = ", ".join(f"{n} {self.rank_in(n)}/{self.size(n)}" for n in self.sizes)

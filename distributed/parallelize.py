@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 def apply_model_parallel(model: ViT, mesh: ParallelMesh) -> ViT:
     """Swap the serial layers for tensor/context-parallel ones (in place); tag every parameter."""
-    if not mesh.model_parallel:
+    if mesh.size("tp") == 1 and mesh.size("cp") == 1:  # nothing to split inside the layers
         return model
     sizes = sequence_sizes(model.num_tokens, mesh)
     for block in model.blocks.values():

@@ -168,10 +168,15 @@ class ViT(nn.Module):
         return x.reshape(b, c, gh * p, gw * p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.pos_drop(self.patch_embed(x) + self.pos_embed)  # (B, N, D), every token
-        x = self.seq_split(x)  # context parallel: (B, n, D), this rank's tokens
+        # A pipeline stage (distributed/pipeline.py) has only some of the parts: without the
+        # patch embedding it receives tokens (B, N, D); without the head it returns them.
+        if self.patch_embed is not None:
+            x = self.pos_drop(self.patch_embed(x) + self.pos_embed)  # (B, N, D), every token
+            x = self.seq_split(x)  # context parallel: (B, n, D), this rank's tokens
         for block in self.blocks.values():
             x = block(x)
+        if self.head is None:  # point-to-point sends need one contiguous buffer
+            return x.contiguous()
         x = self.seq_gather(self.head(self.norm(x)))  # every token again: (B, N, C * p * p)
         return self.unpatchify(x)
 

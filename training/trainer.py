@@ -135,6 +135,10 @@ class Trainer:
                 with dev.nvtx_range("backward"):
                     (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
+        self.optimizer_step()
+        return total
+
+    def optimizer_step(self) -> None:
         with dev.nvtx_range("optimizer"):
             if self.scaler:
                 self.scaler.step(self.optimizer)
@@ -143,7 +147,6 @@ class Trainer:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
-        return total
 
     def to_device(self, inp: torch.Tensor, tar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nb = self.device.type == "cuda"
@@ -181,22 +184,25 @@ class Trainer:
         every = self.cfg.checkpoint_every
         return bool(every) and self.step % every == 0 and self.step < self.cfg.num_iters
 
+    def predict(self, inp: torch.Tensor) -> torch.Tensor | None:
+        with dev.autocast(self.device, self.amp_mode):
+            return self.model(inp)
+
+    def metric_groups(self) -> list[Any]:
+        """The process groups over which validation sums its metrics."""
+        return [self.ctx.dp_group]
+
     def validate(self) -> dict[str, Any]:
         """Loss and RMSE over every validation sample of every data-parallel rank."""
         self.model.eval()
         self.valid_data.set_epoch(0)
-
-        def predict(inp: torch.Tensor) -> torch.Tensor:
-            with dev.autocast(self.device, self.amp_mode):
-                return self.model(inp)
-
         pad_to = 0  # FSDP gathers weights in every forward: every dp rank runs as many batches
         if sharding.fsdp_active(self.cfg, self.ctx.mesh):
             most = torch.tensor(float(self.valid_data.batches_per_epoch), device=self.device)
             pad_to = int(all_reduce_max(most, self.ctx.dp_group).item())
         batches = (self.to_device(inp, tar) for inp, tar in self.valid_data)
-        return validation.evaluate(predict, batches, self.cfg.n_out_channels, self.lat_weights,
-                                   self.ctx.dp_group, pad_to)
+        return validation.evaluate(self.predict, batches, self.cfg.n_out_channels, self.lat_weights,
+                                   self.metric_groups(), pad_to)
 
     # --------------------------------------------------------------- checkpoints ---
     @property

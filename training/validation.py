@@ -8,7 +8,7 @@ must beat.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -20,10 +20,12 @@ from utils.metrics import relative_l2_per_sample, weighted_rmse_per_sample
 
 
 @torch.no_grad()
-def evaluate(predict: Callable[[torch.Tensor], torch.Tensor],
+def evaluate(predict: Callable[[torch.Tensor], torch.Tensor | None],
              batches: Iterable[tuple[torch.Tensor, torch.Tensor]], n_out: int,
-             lat_weights: torch.Tensor, dp_group: Any = None, pad_to: int = 0) -> dict[str, Any]:
-    """Run ``predict`` over ``batches`` (input, target on the device); one all-reduce at the end.
+             lat_weights: torch.Tensor, groups: Sequence[Any] = (), pad_to: int = 0) -> dict[str, Any]:
+    """Run ``predict`` over ``batches`` (input, target on the device); the sums are then added
+    up over each of ``groups`` (the data-parallel ranks; and the pipeline's, whose stages
+    before the last predict nothing: ``predict`` returns None there and they add zeros).
 
     ``pad_to``: the most batches any rank has (the samples need not split evenly); a rank with
     fewer repeats its last forward, unused, until it has run as many. Needed when the forward
@@ -33,7 +35,10 @@ def evaluate(predict: Callable[[torch.Tensor], torch.Tensor],
     example, inp, done = None, None, 0
     for inp, tar in batches:
         done += 1
-        pred = predict(inp).float()
+        pred = predict(inp)
+        if pred is None:
+            continue
+        pred = pred.float()
         sums[0] += relative_l2_per_sample(pred, tar).sum()
         sums[1] += inp.shape[0]
         sums[2 : 2 + n_out] += weighted_rmse_per_sample(pred, tar, lat_weights).sum(0)
@@ -43,7 +48,8 @@ def evaluate(predict: Callable[[torch.Tensor], torch.Tensor],
             example = (pred[0].cpu(), tar[0].cpu())
     for _ in range(pad_to - done):
         predict(inp)
-    all_reduce_sum(sums, dp_group)
+    for group in groups:
+        all_reduce_sum(sums, group)
     count = sums[1].item()
     if count == 0:
         raise TrainingError("the validation set is empty on every rank")

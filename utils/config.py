@@ -28,6 +28,7 @@ DATA_LOADERS = ("pytorch", "dali")
 LR_SCHEDULES = ("cosine", "constant")
 OPTIMIZERS = ("Adam",)
 DATA_PARALLEL = ("ddp", "zero1", "fsdp")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 ADAM_BETAS = (0.9, 0.95)  # beta2 0.95, as the tutorial: steadier with large batches
 
 
@@ -79,8 +80,15 @@ class Config:
                                   "--row_parallel_size is the SC23 name", "parallelism",
                                aliases=("--row_parallel_size",))
     context_parallel: int = key(1, "ranks that split the sequence of tokens", "parallelism")
-    parallel_order: str = key("tp-cp-dp", "rank layout, fastest-varying dimension first",
-                              "parallelism")
+    pipeline_parallel: int = key(1, "pipeline stages: each rank holds a contiguous part of the "
+                                    "transformer blocks and passes activations on", "parallelism")
+    pipeline_schedule: str = key("1f1b", "order of the micro-batches' forward and backward passes on "
+                                 "each stage", "parallelism", choices=PIPELINE_SCHEDULES)
+    num_microbatches: int = key(4, "pipeline micro-batches the local batch is split into", "parallelism")
+    stages_per_rank: int = key(2, "interleaved_1f1b: pipeline stages (model chunks) on each rank",
+                               "parallelism")
+    parallel_order: str = key("tp-cp-dp", "rank layout, fastest-varying dimension first (pp, when "
+                                          "not named, varies slowest)", "parallelism")
     # memory
     activation_checkpointing: str = key("none", "recompute activations in backward instead of storing "
                                         "them: none, full (every block), selective (every other one)",
@@ -149,6 +157,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "enable_fused", "enable_jit", "tensor_parallel", "context_parallel", "parallel_order",
     "bucket_cap_mb", "disable_broadcast_buffers", "rendezvous_timeout_s", "collective_timeout_s",
     "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",
+    "pipeline_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",
 })
 
 FIELDS = tuple(typing.get_type_hints(Config))

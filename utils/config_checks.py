@@ -67,6 +67,7 @@ def _check_values(cfg: Config) -> None:
         raise ValueError("amp_mode fp16 does not work with tensor_parallel > 1 (the ranks' loss "
                          "scalers would skip different steps); use --amp_mode bf16")
     _check_data_parallel(cfg)
+    _check_pipeline(cfg)
     if cfg.bucket_cap_mb <= 0:
         raise ValueError(f"config key 'bucket_cap_mb' must be positive, got {cfg.bucket_cap_mb}")
     if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
@@ -74,6 +75,7 @@ def _check_values(cfg: Config) -> None:
     positive = ("patch_size", "embed_dim", "depth", "num_heads", "n_in_channels",
                 "n_out_channels", "dt", "num_iters", "global_batch_size",
                 "tensor_parallel", "context_parallel", "stop_check_every", "grad_accum_steps",
+                "pipeline_parallel", "num_microbatches", "stages_per_rank",
                 "rendezvous_timeout_s", "collective_timeout_s")
     for name in positive:
         if getattr(cfg, name) < 1:
@@ -121,6 +123,41 @@ def _check_data_parallel(cfg: Config) -> None:
     if cfg.context_parallel > 1:  # cp needs a gradient sum over cp, which FSDP's reduction lacks
         raise ValueError("data_parallel fsdp does not combine with context_parallel > 1 here; use "
                          "--data_parallel ddp or zero1 with context parallelism")
+
+
+def pipeline_stages(cfg: Config) -> int:
+    """Stages of the whole pipeline: one per rank, or ``stages_per_rank`` with interleaving."""
+    per_rank = cfg.stages_per_rank if cfg.pipeline_schedule == "interleaved_1f1b" else 1
+    return cfg.pipeline_parallel * per_rank
+
+
+def _check_pipeline(cfg: Config) -> None:
+    pp, m = cfg.pipeline_parallel, cfg.num_microbatches
+    if pp < 2:
+        return
+    if cfg.amp_mode == "fp16":  # each stage's scaler would find infs in its own gradients only
+        raise ValueError("amp_mode fp16 is not supported with pipeline_parallel > 1 (the stages' loss "
+                         "scalers would skip different steps); use --amp_mode bf16")
+    if cfg.context_parallel > 1:
+        raise ValueError("pipeline_parallel does not combine with context_parallel > 1 here; use "
+                         "tensor and data parallelism with pipeline stages")
+    if cfg.grad_accum_steps > 1:
+        raise ValueError("with pipeline_parallel > 1 the micro-batches are the gradient accumulation: "
+                         "use --num_microbatches instead of --grad_accum_steps")
+    stages = pipeline_stages(cfg)
+    if stages > cfg.depth:
+        what = (f"pipeline_parallel {pp} x stages_per_rank {cfg.stages_per_rank} = {stages} stages"
+                if stages > pp else f"pipeline_parallel {pp} stages")
+        raise ValueError(f"{what} for {cfg.depth} transformer blocks: every stage needs at least one "
+                         f"block; use fewer stages (or a deeper model)")
+    if cfg.pipeline_schedule == "1f1b" and m < pp:
+        raise ValueError(f"the 1f1b schedule needs at least as many micro-batches as stages "
+                         f"(num_microbatches {m} < pipeline_parallel {pp}); use --num_microbatches {pp} "
+                         f"or more")
+    rounds = max(1, m // pp)  # interleaving runs the micro-batches in rounds of pp
+    if cfg.pipeline_schedule == "interleaved_1f1b" and m % rounds:
+        raise ValueError(f"interleaved_1f1b runs micro-batches in rounds of pipeline_parallel {pp}: "
+                         f"num_microbatches {m} must be a multiple of {pp} (or at most {pp})")
 
 
 def _check_profiling(cfg: Config) -> None:

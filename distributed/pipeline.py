@@ -1,0 +1,216 @@
+"""Pipeline parallelism: the serial ViT cut into stages, run by torch.distributed.pipelining.
+
+Each rank of a pipeline (pp) group holds a contiguous stage of the transformer blocks:
+the first stage also the patch embedding, the last the norm and head. Stage s passes its
+output tokens (B, N, D) to stage s + 1 point to point, and in backward the gradient of
+those tokens comes back; weights and their gradients never travel between stages.
+
+The local batch is split into ``num_microbatches`` micro-batches so that the stages can
+work at the same time on different micro-batches. The schedule says in which order each
+stage runs the forward (F) and backward (B) of its micro-batches:
+
+- ``gpipe``: every forward, then every backward. Simple; each stage keeps the activations of
+  all m micro-batches until their backward.
+- ``1f1b``: after a warm-up of (stages - 1 - stage index) forwards, each stage alternates one
+  forward and one backward, so at most p micro-batches are in flight: activation memory
+  ~ p, not m. The idle time (the bubble) is the same as GPipe's, a fraction
+  (p - 1) / (m + p - 1) of the step.
+- ``interleaved_1f1b``: each rank holds ``stages_per_rank`` (v) smaller stages (rank r holds
+  stages r, r + p, r + 2p, ...), so the pipeline fills v times faster: bubble
+  (p - 1) / (v m + p - 1), at the price of v times more point-to-point messages.
+
+All schedules flush at the end of every step (every micro-batch's backward is done before
+the optimizer steps), so every micro-batch sees the same weights, as in the serial model.
+
+Stages are cut by hand from the serial model (:func:`cut_stage`), not traced, so the
+parameters keep the serial names: checkpoints are consolidated and load into any layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed.env import all_reduce_sum
+from distributed.mesh import ParallelMesh
+from distributed.tags import unwrap
+from networks.vit import ViT
+from utils.config import Config
+from utils.config_checks import pipeline_stages
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+             "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+MULTI_STAGE = {"interleaved_1f1b"}  # schedules that drive several stages per rank
+
+
+def split_blocks(depth: int, n_stages: int) -> list[range]:
+    """Contiguous block indices per stage, as equal as possible; when the blocks do not divide,
+    the stages in the middle get one more (the first holds the embedding, the last the head)."""
+    base, extra = divmod(depth, n_stages)
+    middle = sorted(range(n_stages), key=lambda s: abs(s - (n_stages - 1) / 2))[:extra]
+    ranges, start = [], 0
+    for s in range(n_stages):
+        n = base + (s in middle)
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
+
+
+def rank_stages(pp_rank: int, pp: int, per_rank: int) -> list[int]:
+    """The stages one rank holds: r, r + p, r + 2p, ... (the loop order interleaving expects)."""
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def cut_stage(model: ViT, blocks: range, first: bool, last: bool) -> ViT:
+    """Keep only this stage's parts of ``model`` (in place); the names stay the serial ones."""
+    for name in list(model.blocks):
+        if int(name) not in blocks:
+            del model.blocks[name]
+    if not first:
+        model.patch_embed = None
+        model.pos_embed = None
+    if not last:
+        model.norm = None
+        model.head = None
+    return model
+
+
+def describe_split(ranges: list[range], pp: int) -> str:
+    parts = []
+    for s, r in enumerate(ranges):
+        what = [f"blocks {r.start}-{r.stop - 1}" if len(r) > 1 else f"block {r.start}"]
+        if s == 0:
+            what.insert(0, "embedding")
+        if s == len(ranges) - 1:
+            what.append("head")
+        parts.append(f"stage {s} (rank {s % pp} of the pipeline): {' + '.join(what)}")
+    return "; ".join(parts)
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs them. Stands in for the model in the
+    Trainer: ``parameters()`` / ``named_parameters()`` are those of all its stages (serial
+    names), ``step`` trains on a batch, ``forward`` predicts (on the last stage)."""
+
+    def __init__(self, chunks: list[nn.Module], stage_ids: list[int], n_stages: int,
+                 mesh: ParallelMesh, device: torch.device, cfg: Config,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        from torch.distributed import pipelining
+
+        self.chunks, self.stage_ids, self.n_stages = chunks, stage_ids, n_stages
+        self.group, self.pp, self.pp_rank = mesh.group("pp"), mesh.size("pp"), mesh.rank_in("pp")
+        self.peers = dist.get_process_group_ranks(self.group)  # global rank of each pp rank
+        self.device = device
+        self.is_first, self.is_last = 0 in stage_ids, n_stages - 1 in stage_ids
+        self.stages = [pipelining.PipelineStage(c, i, n_stages, device, group=self.group)
+                       for c, i in zip(chunks, stage_ids)]
+        schedule = getattr(pipelining, SCHEDULES[cfg.pipeline_schedule])
+        # scale_grads: each micro-batch's loss is its mean; the gradients are divided by their
+        # number, so the step's gradient is that of the mean over the whole batch
+        self.schedule = schedule(self.stages if cfg.pipeline_schedule in MULTI_STAGE else self.stages[0],
+                                 n_microbatches=cfg.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+        serial = unwrap(chunks[-1])
+        self.token_shape = (serial.num_tokens, cfg.embed_dim)
+
+    # --------------------------------------------------------- the model's interface ---
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for chunk in self.chunks:
+            yield from unwrap(chunk).named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def train(self, mode: bool = True) -> Pipeline:
+        for chunk in self.chunks:
+            chunk.train(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        return self.train(False)
+
+    # ------------------------------------------------------------------- running ---
+    def step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch, as the schedule orders them; returns the
+        batch's mean loss on every stage (one small all-reduce over pp: only the last has it)."""
+        losses: list[torch.Tensor] = []
+        args = (inp,) if self.is_first else ()
+        self.schedule.step(*args, target=tar if self.is_last else None, losses=losses)
+        loss = torch.stack(losses).mean().detach() if self.is_last else \
+            torch.zeros((), device=self.device)
+        return all_reduce_sum(loss, self.group)
+
+    @torch.no_grad()
+    def forward(self, inp: torch.Tensor) -> torch.Tensor | None:
+        """Prediction for validation: no schedule needed, the batch goes through the stages one
+        after the other (each rank receives, runs its stage, sends). The output exists on the
+        last stage only (None elsewhere)."""
+        x = inp
+        for s in range(self.n_stages):
+            if s % self.pp != self.pp_rank:
+                continue
+            if s > 0:  # tokens from the previous stage, sent in fp32 whatever the compute dtype
+                x = torch.empty(inp.shape[0], *self.token_shape, device=self.device)
+                dist.recv(x, src=self.peers[(s - 1) % self.pp], group=self.group)
+            x = self.chunks[self.stage_ids.index(s)](x)
+            if s < self.n_stages - 1:
+                dist.send(x.float().contiguous(), dst=self.peers[(s + 1) % self.pp], group=self.group)
+        return x if self.is_last else None
+
+    def from_last_stage(self, obj: Any) -> Any:
+        """``obj`` of the last stage's rank, on every rank of the pipeline (a small object)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.peers[-1], group=self.group)
+        return box[0]
+
+    def gather_to_first(self, obj: Any) -> list[Any] | None:
+        """Every pipeline rank's ``obj`` on the first stage's rank (None on the others)."""
+        first = self.pp_rank == 0
+        out: list[Any] | None = [None] * self.pp if first else None
+        dist.gather_object(obj, out, dst=self.peers[0], group=self.group)
+        return out
+
+    def record_timeline(self, events: list[tuple[str, int, int, float, float]]) -> None:
+        """From now on append (kind, stage, micro-batch, start, end) for every forward ("F") and
+        backward ("B") a stage runs (``time.perf_counter`` seconds). The time a stage waits
+        for its neighbour's tensors falls between the events: the bubble."""
+        for stage in self.stages:
+            for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+                setattr(stage, name, _timed(getattr(stage, name), kind, stage.stage_index, events))
+
+
+def _timed(fn: Callable[..., Any], kind: str, stage: int, events: list) -> Callable[..., Any]:
+    def run(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(chunk_id, *args, **kwargs)
+        events.append((kind, stage, chunk_id, start, time.perf_counter()))
+        return out
+
+    return run
+
+
+def build(serial: ViT, mesh: ParallelMesh, cfg: Config, device: torch.device,
+          parallelize: Callable[[ViT], nn.Module],
+          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
+    """Cut ``serial`` into this rank's stages, make each one parallel over the other dimensions
+    (``parallelize``: tp, checkpointing, compile, DDP/FSDP over dp), and set up the schedule."""
+    n_stages = pipeline_stages(cfg)
+    ranges = split_blocks(cfg.depth, n_stages)
+    ids = rank_stages(mesh.rank_in("pp"), mesh.size("pp"), n_stages // mesh.size("pp"))
+    if mesh.rank == 0:
+        log.info("pipeline of %d stages, %s schedule, %d micro-batches: %s", n_stages,
+                 cfg.pipeline_schedule, cfg.num_microbatches, describe_split(ranges, mesh.size("pp")))
+    chunks = []
+    for k, s in enumerate(ids):
+        model = serial if k == len(ids) - 1 else copy.deepcopy(serial)  # one copy per stage
+        chunks.append(parallelize(cut_stage(model, ranges[s], s == 0, s == n_stages - 1)))
+    return Pipeline(chunks, ids, n_stages, mesh, device, cfg, loss_fn)

@@ -1,0 +1,124 @@
+"""The Trainer with pipeline stages (``--pipeline_parallel`` > 1 in train_mp.py).
+
+The loop is the Trainer's; what changes is what a step and a prediction are:
+
+- a training step is one run of the pipeline schedule (distributed/pipeline.py): the first
+  stage reads the input, the last computes each micro-batch's loss, and the loss of the
+  batch is shared with every stage (so every rank logs and checkpoints the same number);
+- validation sends each batch through the stages; the last stage scores it and the sums
+  are added up over the pipeline as well as over the data-parallel ranks;
+- checkpoints stay consolidated: each stage gathers its own tensors (over tp and FSDP's dp
+  shards, as in every layout), then the first stage collects the other stages' and rank 0
+  writes the serial model's state, so a pipelined run resumes in any layout (and back).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from distributed import pipeline
+from distributed.parallelize import parallelize
+from networks.vit import build_vit, count_parameters
+from training.context import RunContext
+from training.trainer import Trainer
+from utils import device as dev
+from utils.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class PipelineTrainer(Trainer):
+    model: pipeline.Pipeline
+
+    def __init__(self, cfg: Config, ctx: RunContext, local_batch: int) -> None:
+        if local_batch % cfg.num_microbatches:
+            raise ValueError(f"the local batch of {local_batch} samples does not split into "
+                             f"--num_microbatches {cfg.num_microbatches} equal micro-batches; choose "
+                             f"a number of micro-batches that divides it")
+        super().__init__(cfg, ctx, local_batch)
+
+    def build_model(self) -> pipeline.Pipeline:
+        serial = build_vit(self.cfg)
+        self.n_params = count_parameters(serial)
+        self.serial_names = [name for name, _ in serial.named_parameters()]
+        model = pipeline.build(serial, self.ctx.mesh, self.cfg, self.device,
+                               lambda stage: parallelize(stage, self.ctx.mesh, self.cfg, self.device),
+                               self.micro_batch_loss)
+        log.info("%s; this rank holds stages %s: %d of the model's %d parameters",
+                 self.ctx.mesh.describe(), model.stage_ids, sum(p.numel() for p in model.parameters()),
+                 self.n_params)
+        return model
+
+    def micro_batch_loss(self, pred: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(pred.float(), tar)
+
+    def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        # the schedule runs forward and backward: autocast covers both, which is harmless (the
+        # backward of each operation runs in the dtype its forward chose)
+        with dev.nvtx_range("pipeline schedule"), dev.autocast(self.device, self.amp_mode):
+            loss = self.model.step(inp, tar)
+        self.optimizer_step()
+        return loss
+
+    def predict(self, inp: torch.Tensor) -> torch.Tensor | None:
+        with dev.autocast(self.device, self.amp_mode):
+            return self.model.forward(inp)
+
+    def metric_groups(self) -> list[Any]:
+        return [self.ctx.dp_group, self.model.group]
+
+    def validate(self) -> dict[str, Any]:
+        result = super().validate()
+        result["example"] = self.model.from_last_stage(result["example"])  # for rank 0's images
+        return result
+
+    # ------------------------------------------------- consolidated checkpoints ---
+    # This rank's tensors are keyed by the serial names; the optimizer's state is keyed by the
+    # parameter's index in the serial model (its order in Adam's single parameter group).
+    def _own_names(self) -> list[str]:
+        return [name for name, _ in self.raw_model.named_parameters()]
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        own = {k: v.cpu() for k, v in super().model_state().items()}
+        parts = self.model.gather_to_first(own)
+        if parts is None:
+            return {}
+        merged = {k: v for part in parts for k, v in part.items()}
+        return {name: merged[name] for name in self.serial_names}
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        if set(state) != set(self.serial_names):
+            super().load_model_state(state)  # raises the usual "does not fit" error
+        super().load_model_state({name: state[name] for name in self._own_names()})
+
+    def optimizer_state(self) -> dict[str, Any]:
+        state = super().optimizer_state()  # empty on ZeRO-1's dp ranks other than 0
+        serial = {name: i for i, name in enumerate(self.serial_names)}
+        index = {i: serial[name] for i, name in enumerate(self._own_names())}
+        part = {"state": {index[i]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+                          for i, s in state.get("state", {}).items()},
+                "param_groups": state.get("param_groups", [])}
+        parts = self.model.gather_to_first(part)
+        if parts is None or not state:
+            return {}
+        group = dict(parts[0]["param_groups"][0])
+        group["params"] = list(range(len(self.serial_names)))
+        return {"state": {i: s for p in parts for i, s in p["state"].items()}, "param_groups": [group]}
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        serial = {name: i for i, name in enumerate(self.serial_names)}
+        own = [serial[name] for name in self._own_names()]
+        group = dict(state["param_groups"][0])
+        group["params"] = list(range(len(own)))
+        super().load_optimizer_state({
+            "state": {i: state["state"][j] for i, j in enumerate(own) if j in state["state"]},
+            "param_groups": [group]})
+
+
+def trainer_for(cfg: Config, default: type[Trainer]) -> type[Trainer]:
+    """The Trainer a configuration needs: the pipelined one when it has pipeline stages."""
+    return PipelineTrainer if cfg.pipeline_parallel > 1 else default
+
