@@ -118,7 +118,13 @@ class PipelineTrainer(Trainer):
             "param_groups": [group]})
 
 
-def trainer_for(cfg: Config, default: type[Trainer]) -> type[Trainer]:
-    """The Trainer a configuration needs: the pipelined one when it has pipeline stages."""
-    return PipelineTrainer if cfg.pipeline_parallel > 1 else default
+def trainer_for(cfg: Config, script_trainer: type[Trainer]) -> type[Trainer]:
+    """The Trainer a configuration needs: with pipeline stages, the script's Trainer with the
+    pipelined step mixed in (a subclass that changes the step, as the tests' fault-injecting
+    one does, keeps its changes around the pipelined step)."""
+    if cfg.pipeline_parallel == 1:
+        return script_trainer
+    if script_trainer is Trainer:
+        return PipelineTrainer
+    return type(f"Pipelined{script_trainer.__name__}", (script_trainer, PipelineTrainer), {})
 

@@ -1,0 +1,175 @@
+"""Pipeline parallelism against the serial run (same seed, data and global batch), launched by
+torchrun as users do, and the pieces it is built from.
+
+Every run: the test model with 4 blocks, 6 steps of global batch 8 (2 steps per epoch),
+33 validation samples.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from ruamel.yaml import YAML
+
+from distributed.pipeline import cut_stage, describe_split, rank_stages, split_blocks
+from networks.vit import build_vit
+from tests.conftest import make_cfg
+from tests.ddp_helpers import metrics, run, run_dir, train_args, write_test_yaml
+from tests.test_sharded import assert_same_losses, flags_to_args, ok
+from utils.checkpoint import CHECKPOINT_NAME
+
+pytestmark = pytest.mark.timeout(300)
+
+COMMON = {"limit_nsamples": 16, "limit_nsamples_val": 33}
+MP = {"DDP_TEST_MODEL_PARALLEL": "1"}  # the worker runs as train_mp.py
+
+
+@pytest.fixture(scope="module")
+def test_yaml(tmp_path_factory) -> Path:
+    """The test model with 4 blocks, so that 4 stages (or 2 ranks x 2 interleaved) fit."""
+    path = write_test_yaml(tmp_path_factory.mktemp("pipeline_yaml") / "ViT.yaml")
+    values = YAML(typ="safe").load(path.read_text())
+    values["tiny"]["depth"] = 4
+    with open(path, "w") as f:
+        YAML().dump(values, f)
+    return path
+
+
+def args(yaml: Path, data_dir: Path, expdir: Path, **extra) -> list[str]:
+    valued, switches = flags_to_args({**COMMON, **extra})
+    return train_args(yaml, data_dir, expdir, **valued) + switches
+
+
+@pytest.fixture(scope="module")
+def serial(data_dir, test_yaml, tmp_path_factory) -> list[dict]:
+    expdir = tmp_path_factory.mktemp("serial")
+    ok(run(1, args(test_yaml, data_dir, expdir)))
+    return metrics(run_dir(expdir, 1))
+
+
+# ------------------------------------------------------------------ the pieces ---
+def test_blocks_split_into_contiguous_stages():
+    assert split_blocks(4, 2) == [range(0, 2), range(2, 4)]
+    assert split_blocks(4, 4) == [range(i, i + 1) for i in range(4)]
+    # uneven: the middle stages take the extra blocks (the ends hold the embedding and head)
+    assert [len(r) for r in split_blocks(5, 3)] == [2, 2, 1]
+    assert [len(r) for r in split_blocks(10, 4)] == [2, 3, 3, 2]
+    assert [len(r) for r in split_blocks(7, 3)] == [2, 3, 2]
+    # interleaving: rank r holds stages r, r + p, ...
+    assert rank_stages(1, 2, 2) == [1, 3] and rank_stages(0, 4, 1) == [0]
+
+
+def test_a_stage_keeps_its_parts_under_the_serial_names(cfg_factory):
+    cfg = cfg_factory(depth=4)
+    names = [n for n, _ in build_vit(cfg).named_parameters()]
+    kept = []
+    for s, blocks in enumerate(split_blocks(4, 3)):
+        stage = cut_stage(build_vit(cfg), blocks, s == 0, s == 2)
+        own = [n for n, _ in stage.named_parameters()]
+        assert ("pos_embed" in own) == (s == 0) and ("head.weight" in own) == (s == 2)
+        kept += own
+    assert sorted(kept) == sorted(names)  # every parameter in exactly one stage, names unchanged
+    assert describe_split(split_blocks(4, 2), 2) == (
+        "stage 0 (rank 0 of the pipeline): embedding + blocks 0-1; "
+        "stage 1 (rank 1 of the pipeline): blocks 2-3 + head")
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"pipeline_parallel": 3}, "pipeline_parallel 3 stages for 2 transformer blocks"),
+    ({"pipeline_parallel": 2, "depth": 2, "pipeline_schedule": "interleaved_1f1b"},
+     "pipeline_parallel 2 x stages_per_rank 2 = 4 stages for 2 transformer blocks"),
+    ({"pipeline_parallel": 2, "num_microbatches": 1}, "1f1b schedule needs at least as many micro-batches"),
+    ({"pipeline_parallel": 2, "depth": 4, "num_microbatches": 5, "pipeline_schedule": "interleaved_1f1b"},
+     "must be a multiple of 2"),
+    ({"pipeline_parallel": 2, "amp_mode": "fp16"}, "fp16 is not supported with pipeline_parallel"),
+    ({"pipeline_parallel": 2, "context_parallel": 2}, "does not combine with context_parallel"),
+    ({"pipeline_parallel": 2, "grad_accum_steps": 2}, "use --num_microbatches instead"),
+])
+def test_impossible_pipelines_are_refused(flags, message, data_dir, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        make_cfg(data_dir, tmp_path, depth=flags.pop("depth", 2), **flags)
+
+
+def test_micro_batches_must_divide_the_local_batch(data_dir, test_yaml, tmp_path):
+    result = run(2, args(test_yaml, data_dir, tmp_path, pipeline_parallel=2, num_microbatches=3),
+                 **MP)
+    # each rank exits 2 with the one line (no traceback of ours); torchrun then reports the
+    # failure with status 1 and its own traceback
+    assert result.returncode != 0 and "ValueError" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "does not split into --num_microbatches 3" in errors[0]
+
+
+def test_pipeline_flags_need_train_mp(data_dir, test_yaml, tmp_path):
+    result = run(1, args(test_yaml, data_dir, tmp_path, pipeline_parallel=2))
+    assert result.returncode == 2
+    assert "pipeline_parallel=2: model parallel runs use train_mp.py" in result.stderr
+
+
+# ------------------------------------------------------- the serial run's losses ---
+PP2 = {"pipeline_parallel": 2}
+VARIANTS = {  # name: (ranks, flags)
+    "gpipe": (2, {**PP2, "pipeline_schedule": "gpipe"}),
+    "1f1b": (2, {**PP2, "pipeline_schedule": "1f1b"}),
+    "interleaved_1f1b": (2, {**PP2, "pipeline_schedule": "interleaved_1f1b"}),
+    "pp4_1f1b": (4, {"pipeline_parallel": 4}),
+    "pp2_x_dp2_ddp": (4, PP2),
+    "pp2_x_dp2_fsdp": (4, {**PP2, "data_parallel": "fsdp"}),
+    "pp2_x_tp2": (4, {**PP2, "tensor_parallel": 2, "pipeline_schedule": "gpipe"}),
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_pipeline_logs_the_serial_losses(name, serial, data_dir, test_yaml, tmp_path):
+    ranks, flags = VARIANTS[name]
+    ok(run(ranks, args(test_yaml, data_dir, tmp_path, **flags), timeout=240, **MP))
+    layout = next((tmp_path / "tiny").iterdir())
+    assert layout.name.endswith(f"_pp{flags['pipeline_parallel']}")
+    logged = metrics(layout / "00")
+    assert [m["step"] for m in logged] == [2, 4, 6]
+    assert_same_losses(serial, logged)
+
+
+# ------------------------------------------------------------------ checkpoints ---
+@pytest.fixture(scope="module")
+def interrupted(data_dir, test_yaml, tmp_path_factory) -> Path:
+    """A pp=2 run with a consolidated checkpoint at step 3 (mid-epoch), then a failure."""
+    expdir = tmp_path_factory.mktemp("interrupted")
+    result = run(2, args(test_yaml, data_dir, expdir, checkpoint_every=3, **PP2),
+                 DDP_TEST_RAISE_AT="1:4", **MP)
+    assert result.returncode != 0
+    folder = next((expdir / "tiny").iterdir()) / "00"
+    assert (folder / CHECKPOINT_NAME).is_file()
+    return folder
+
+
+@pytest.mark.parametrize("ranks, script, layout, flags", [
+    (1, "train.py", "1GPU", {}),
+    (1, "train_mp.py", "1GPU_tp1_cp1_dp1", {}),  # pp = 1
+    (4, "train_mp.py", "4GPU_tp1_cp1_dp1_pp4", {"pipeline_parallel": 4}),
+])
+def test_a_pipeline_checkpoint_resumes_in_any_layout(interrupted, serial, data_dir, test_yaml,
+                                                     tmp_path, ranks, script, layout, flags):
+    target = tmp_path / "tiny" / layout / "00"
+    target.mkdir(parents=True)
+    shutil.copy(interrupted / CHECKPOINT_NAME, target / CHECKPOINT_NAME)
+    env = MP if script == "train_mp.py" else {}
+    ok(run(ranks, args(test_yaml, data_dir, tmp_path, **flags), timeout=240, **env))
+    resumed = metrics(target)
+    assert [m["step"] for m in resumed] == [4, 6]
+    assert_same_losses(serial, resumed)
+
+
+def test_a_serial_checkpoint_resumes_in_a_pipeline(serial, data_dir, test_yaml, tmp_path):
+    first = tmp_path / "first"  # a checkpoint at step 3, then a failure
+    assert run(1, args(test_yaml, data_dir, first, checkpoint_every=3),
+               DDP_TEST_RAISE_AT="0:4").returncode != 0
+    target = tmp_path / "tiny" / "2GPU_tp1_cp1_dp1_pp2" / "00"
+    target.mkdir(parents=True)
+    shutil.copy(run_dir(first, 1) / CHECKPOINT_NAME, target / CHECKPOINT_NAME)
+    ok(run(2, args(test_yaml, data_dir, tmp_path, pipeline_schedule="interleaved_1f1b", **PP2),
+           timeout=240, **MP))
+    assert [m["step"] for m in metrics(target)] == [4, 6]
+    assert_same_losses(serial, metrics(target))
