@@ -19,7 +19,8 @@ from training.trainer import Trainer
 from utils.data_loader import ERA5Dataset
 
 VARIANT = os.environ.get("EXERCISE_VARIANT", "solution")
-NAMES = ("sample_index", "amp_step", "allreduce_grads", "tp_mlp", "tp_mlp_split", "grad_accum")
+NAMES = ("sample_index", "amp_step", "allreduce_grads", "tp_mlp", "tp_mlp_split", "grad_accum",
+         "pipeline_balance")
 
 
 def exercise(name: str, variant: str = VARIANT):
@@ -49,7 +50,7 @@ def test_shipped_exercises_are_unsolved(name, tmp_path):
     them. (Your own edits to them are not looked at here: `make exercise NAME=...` checks those.)"""
     module = shipped_exercise(name, tmp_path)
     functions = ("locate", "amp_step", "average_gradients", "shard_mlp", "tp_mlp_forward",
-                 "accumulate_gradients")
+                 "accumulate_gradients", "balance_stages")
     fn = next(getattr(module, f) for f in functions if hasattr(module, f))
     with pytest.raises(NotImplementedError, match="exercise"):
         fn(*([None] * fn.__code__.co_argcount))
@@ -329,3 +330,30 @@ def _tp_mlp_split_versus_serial(variant: str) -> None:
 @pytest.mark.timeout(120)
 def test_tp_mlp_split():
     run_ranks(2, _tp_mlp_split_versus_serial, VARIANT)
+
+
+def _largest_stage_by_brute_force(costs: list[float], n_stages: int) -> float:
+    """Every way to place n_stages - 1 cuts between the layers: the best largest stage."""
+    import itertools
+
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, len(costs)), n_stages - 1):
+        bounds = (0, *cuts, len(costs))
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+def test_pipeline_balance():
+    balance = exercise("pipeline_balance").balance_stages
+    rng = np.random.default_rng(0)
+    cases = [([1.0] * 8, 4), ([1.0] * 4, 4), ([5.0], 1), ([3.0, 1.0, 1.0, 1.0], 2)]
+    cases += [(list(rng.uniform(0.5, 3.0, size=int(rng.integers(2, 10)))), 0) for _ in range(40)]
+    for costs, n_stages in cases:
+        n_stages = n_stages or int(rng.integers(1, len(costs) + 1))
+        ranges = balance(costs, n_stages)
+        assert len(ranges) == n_stages and all(len(r) > 0 for r in ranges), (costs, ranges)
+        assert [i for r in ranges for i in r] == list(range(len(costs))), "contiguous, in order, all layers"
+        largest = max(sum(costs[i] for i in r) for r in ranges)
+        assert largest == pytest.approx(_largest_stage_by_brute_force(costs, n_stages)), (costs, ranges)
+    # the ViT's case: a heavy last layer (norm, head and loss) gets a stage of its own
+    assert balance([1.0, 1.0, 1.0, 1.0, 1.0, 2.5], 3)[-1] == range(5, 6)

@@ -60,14 +60,18 @@ def test_layouts_partition_every_rank_once():
 
 def test_single_process_mesh():
     mesh = build_mesh({"tp": 1, "cp": 1})
-    assert mesh.sizes == {"tp": 1, "cp": 1, "dp": 1}
+    assert mesh.sizes == {"tp": 1, "cp": 1, "dp": 1, "pp": 1}
     assert (mesh.dp_size, mesh.rank_in("tp"), mesh.dp_group, mesh.device_mesh) == (1, 0, None, None)
     assert not mesh.model_parallel
 
 
 def test_order_may_leave_out_dimensions_and_sizes_follow_it():
-    assert parse_order("dp") == ("dp", "tp", "cp")  # the others follow in the registry's order
-    assert check_sizes(8, {"tp": 2, "cp": 1}, "cp-dp-tp") == {"cp": 1, "dp": 4, "tp": 2}
+    assert parse_order("dp") == ("dp", "tp", "cp", "pp")  # the others follow in the registry's order
+    assert check_sizes(8, {"tp": 2, "cp": 1}, "cp-dp-tp") == {"cp": 1, "dp": 4, "tp": 2, "pp": 1}
+    # pipeline stages vary slowest unless the order names them: 8 ranks, tp 2 x dp 2 x pp 2
+    layouts = group_layouts(8, {"tp": 2, "cp": 1, "pp": 2})
+    assert layouts["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layouts["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and layouts["dp"][0] == [0, 2]
 
 
 @pytest.mark.parametrize("world,tp,cp,order,message", [

@@ -1,0 +1,236 @@
+#!/usr/bin/env python
+"""The pipeline bubble, made visible: when each stage ran each micro-batch's forward and
+backward, for GPipe, 1F1B and interleaved 1F1B, and what micro-batches cost in memory.
+
+    python scripts/pipeline_report.py --config tiny --out pipeline
+
+Every measurement is a real training run (train_mp.py's loop, on CPU with gloo via torchrun,
+or on the GPUs there are) of ``--steps`` steps. Each rank records, in the last step, the start
+and end of every forward and backward its stages run (timestamps around the pipeline stage's
+calls, after a barrier that starts the ranks together), and the peak of the bytes autograd
+holds for backward (tensors saved by the stage's operations, each storage counted once, while
+they are alive). Writes OUT/pipeline.md (tables), OUT/pipeline.json and
+OUT/pipeline_timeline.png (ranks as rows, F/B boxes per micro-batch, idle time blank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+RECORD_FILE = "pipeline_rank{rank}.json"
+MIB = 2**20
+
+
+# ------------------------------------------------------------ the worker (one rank) ---
+class SavedTensorMeter:
+    """Bytes of the tensors autograd keeps for backward that are alive at once: each saved
+    tensor is packed into a holder whose release (when backward is done with it) subtracts
+    its storage again. Parameters are weights, not activations, and are not counted."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, holders]
+        self.now = self.peak = 0
+
+    def pack(self, t):
+        import torch
+
+        if isinstance(t, torch.nn.Parameter):
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        entry = self.live.setdefault(key, [storage.nbytes(), 0])
+        if entry[1] == 0:
+            self.now += entry[0]
+            self.peak = max(self.peak, self.now)
+        entry[1] += 1
+        return _Held(t, key, self)
+
+    @staticmethod
+    def unpack(held):
+        return held.t if isinstance(held, _Held) else held
+
+    def release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[key]
+
+
+class _Held:
+    def __init__(self, t, key: int, meter: SavedTensorMeter) -> None:
+        self.t, self.key, self.meter = t, key, meter
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+def worker(argv: list[str]) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from training.launcher import main
+    from training.trainer import Trainer
+
+    class RecordingTrainer(Trainer):
+        def build_model(self):
+            model = super().build_model()
+            self.events: list = []
+            self.steps: list[dict[str, Any]] = []
+            model.record_timeline(self.events)
+            return model
+
+        def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+            dist.barrier()  # the ranks start the step together: their clocks line up
+            self.events.clear()
+            meter = SavedTensorMeter()
+            start = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                loss = super().train_step(inp, tar)
+            end = time.perf_counter()
+            self.steps.append({"seconds": end - start, "saved_peak_bytes": meter.peak,
+                               "events": [(k, s, m, a - start, b - start) for k, s, m, a, b in self.events]})
+            return loss
+
+        def fit(self):
+            result = super().fit()
+            record = {"rank": self.ctx.rank, "pp_rank": self.ctx.mesh.rank_in("pp"),
+                      "stages": self.model.stage_ids, "steps": self.steps}
+            path = self.ctx.run_dir / RECORD_FILE.format(rank=self.ctx.rank)
+            path.write_text(json.dumps(record))
+            return result
+
+    return main(RecordingTrainer, argv, description="train_mp.py recording its pipeline",
+                model_parallel=True)
+
+
+# ------------------------------------------------------------------ the driver ---
+def launch(ranks: int, flags: list[str]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           str(Path(__file__).resolve()), "--worker", *flags]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"error: {' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+
+
+def bubble_on_paper(schedule: str, p: int, m: int, v: int) -> float:
+    """Idle fraction of a flushed pipeline: (p - 1) / (m + p - 1); interleaving fills it v times
+    faster, (p - 1) / (v m + p - 1)."""
+    v = v if schedule == "interleaved_1f1b" else 1
+    return (p - 1) / (v * m + p - 1)
+
+
+def measure(args: argparse.Namespace, schedule: str, p: int, m: int) -> dict[str, Any]:
+    name = f"{schedule}_pp{p}_m{m}"
+    print(f"  {name}", flush=True)
+    flags = [f"--yaml_config={args.yaml_config}", f"--config={args.config}", f"--run_num={name}",
+             f"--expdir={args.out / 'runs'}", f"--num_iters={args.steps}", "--checkpoint_every=0",
+             f"--global_batch_size={args.batch}", f"--pipeline_parallel={p}",
+             f"--pipeline_schedule={schedule}", f"--num_microbatches={m}",
+             f"--stages_per_rank={args.stages_per_rank}", "--limit_nsamples_val=8",
+             f"--limit_nsamples={args.batch * args.steps}", *args.flags]
+    launch(p, flags)
+    run_dir = next((args.out / "runs" / args.config).glob(f"*/{name}"))
+    ranks = [json.loads((run_dir / RECORD_FILE.format(rank=r)).read_text()) for r in range(p)]
+    last = [r["steps"][-1] for r in ranks]
+    step = max(s["seconds"] for s in last)
+    busy = [sum(b - a for _, _, _, a, b in s["events"]) for s in last]
+    # each step's time is its slowest rank's; the first step (shape inference) is left out
+    per_step = [max(s["seconds"] for s in same) for same in zip(*(r["steps"] for r in ranks))][1:]
+    return {"schedule": schedule, "pp": p, "microbatches": m, "v": args.stages_per_rank,
+            "step_seconds": step, "samples_per_sec": args.batch / statistics.median(per_step or [step]),
+            "bubble_measured": 1 - statistics.mean(busy) / step,
+            "bubble_on_paper": bubble_on_paper(schedule, p, m, args.stages_per_rank),
+            "saved_MiB": [s["saved_peak_bytes"] / MIB for s in last],
+            "timeline": [{"rank": r["pp_rank"], "events": s["events"]} for r, s in zip(ranks, last)]}
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| schedule | stages (ranks) | micro-batches | samples/s | bubble on paper | bubble measured "
+           "| saved activations per rank, MiB (peak) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mib = " / ".join(f"{x:.1f}" for x in r["saved_MiB"])
+        out.append(f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['samples_per_sec']:.1f} | "
+                   f"{r['bubble_on_paper']:.2f} | {r['bubble_measured']:.2f} | {mib} |")
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(rows), 1, figsize=(11, 1.1 + 0.75 * sum(r["pp"] for r in rows)),
+                             squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for ax, r in zip(axes[:, 0], rows):
+        for lane in r["timeline"]:
+            for kind, stage, mb, a, b in lane["events"]:
+                y = r["pp"] - 1 - lane["rank"]
+                ax.barh(y, (b - a) * 1e3, left=a * 1e3, height=0.8, color=cmap(mb % 10),
+                        alpha=1.0 if kind == "F" else 0.55, edgecolor="black", linewidth=0.5,
+                        hatch=None if kind == "F" else "//")
+                ax.text((a + b) / 2 * 1e3, y, f"{kind}{mb}" + (f"s{stage}" if r["v"] > 1 and
+                        r["schedule"] == "interleaved_1f1b" else ""), ha="center", va="center", fontsize=6)
+        ax.set_yticks(range(r["pp"]), [f"rank {r['pp'] - 1 - i}" for i in range(r["pp"])])
+        ax.set_title(f"{r['schedule']}: {r['pp']} stages, {r['microbatches']} micro-batches; bubble "
+                     f"{r['bubble_measured']:.2f} measured, {r['bubble_on_paper']:.2f} on paper", fontsize=9)
+        ax.set_xlim(0, r["step_seconds"] * 1e3)
+    axes[-1, 0].set_xlabel("milliseconds into the training step (F: forward, B: backward, colour: micro-batch; "
+                           "blank: waiting)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def driver(argv: list[str] | None = None) -> int:
+    from utils.config import DEFAULT_YAML
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline sizes (ranks)")
+    p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--stages_per_rank", type=int, default=2, help="interleaved_1f1b's stages per rank")
+    p.add_argument("--steps", type=int, default=3, help="training steps per run (the last is recorded)")
+    p.add_argument("--batch", type=int, default=16, help="global batch")
+    p.add_argument("--timeline", default="2:8", help="PP:M of the runs drawn in the picture")
+    p.add_argument("--out", type=Path, default=Path("pipeline"))
+    p.add_argument("flags", nargs="*", help="more train_mp.py flags after --, e.g. -- --data_dir DIR")
+    args = p.parse_args(argv)
+    args.out = args.out.resolve()
+    runs = [(s, pp, m) for pp in args.stages for m in args.microbatches for s in SCHEDULES
+            if m >= pp and args.batch % m == 0]
+    print(f"{len(runs)} runs of {args.steps} steps:", flush=True)
+    rows = [measure(args, *run) for run in runs]
+    md = [f"Config `{args.config}`, global batch {args.batch}, fp32; interleaved_1f1b with "
+          f"{args.stages_per_rank} stages per rank; the last of {args.steps} steps recorded.", "",
+          *table(rows)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pipeline.md").write_text("\n".join(md) + "\n")
+    (args.out / "pipeline.json").write_text(json.dumps(rows, indent=1))
+    pp, m = (int(x) for x in args.timeline.split(":"))
+    drawn = [r for r in rows if (r["pp"], r["microbatches"]) == (pp, m)] or rows[:3]
+    plot(drawn, args.out / "pipeline_timeline.png")
+    print("\n".join(md))
+    print(f"wrote {args.out / 'pipeline.md'} and {args.out / 'pipeline_timeline.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        sys.exit(worker(sys.argv[2:]))
+    sys.exit(driver())
