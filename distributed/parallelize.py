@@ -16,7 +16,12 @@ starts from the same weights. :func:`parallelize` then transforms it, always in 
 4. data parallel over the dp dimension, as ``data_parallel`` says: DDP
    (:func:`~distributed.tags.wrap_data_parallel`, with a comm hook that also sums gradients
    over cp when the tags ask for it; also for zero1, whose sharding is in the optimizer), or
-   FSDP (:func:`~distributed.sharding.apply_fsdp`: each block, then the root).
+   FSDP (:func:`~distributed.sharding.apply_fsdp`: each block, then the root). A pipeline
+   stage is not wrapped in DDP: it averages its gradients over dp after the pipeline's
+   flush (distributed/pipeline.py).
+
+With pipeline parallelism the serial model is first cut into this rank's stages
+(distributed/pipeline.py), and each stage goes through the steps above.
 
 An instructor adding a kind of parallelism adds its step here, in its place in the order.
 """
@@ -89,4 +94,6 @@ def parallelize(model: ViT, mesh: ParallelMesh, cfg: Config, device: torch.devic
             block.compile()
     if fsdp_active(cfg, mesh):
         return apply_fsdp(model, mesh, cfg)
+    if mesh.size("pp") > 1:  # a pipeline stage averages its gradients itself (distributed/pipeline.py)
+        return model
     return wrap_data_parallel(model, mesh, device, cfg)

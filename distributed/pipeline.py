@@ -18,6 +18,9 @@ stage runs the forward (F) and backward (B) of its micro-batches:
 - ``interleaved_1f1b``: each rank holds ``stages_per_rank`` (v) smaller stages (rank r holds
   stages r, r + p, r + 2p, ...), so the pipeline fills v times faster: bubble
   (p - 1) / (v m + p - 1), at the price of v times more point-to-point messages.
+- ``zero_bubble`` (interleaved, torch's ``ScheduleInterleavedZeroBubble``): each backward is
+  split into the gradient of the stage's input (which the previous stage waits for) and of
+  its weights (which nobody waits for), and the weight parts fill the idle slots.
 
 All schedules flush at the end of every step (every micro-batch's backward is done before
 the optimizer steps), so every micro-batch sees the same weights, as in the serial model.
@@ -40,16 +43,16 @@ from torch import nn
 
 from distributed.env import all_reduce_sum
 from distributed.mesh import ParallelMesh
+from distributed.sharding import fsdp_active
 from distributed.tags import unwrap
 from networks.vit import ViT
 from utils.config import Config
-from utils.config_checks import pipeline_stages
+from utils.config_checks import INTERLEAVED, pipeline_stages
 
 log = logging.getLogger(__name__)
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-             "interleaved_1f1b": "ScheduleInterleaved1F1B"}
-MULTI_STAGE = {"interleaved_1f1b"}  # schedules that drive several stages per rank
+             "interleaved_1f1b": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleInterleavedZeroBubble"}
 
 
 def split_blocks(depth: int, n_stages: int) -> list[range]:
@@ -110,13 +113,20 @@ class Pipeline:
         self.group, self.pp, self.pp_rank = mesh.group("pp"), mesh.size("pp"), mesh.rank_in("pp")
         self.peers = dist.get_process_group_ranks(self.group)  # global rank of each pp rank
         self.device = device
+        # FSDP reduce-scatters each stage's gradients itself (torch's stage does it once, after
+        # the last micro-batch). DDP is not used: its reducer inside torch's pipeline stages
+        # failed an internal check (every gradient counted twice when it rebuilds its buckets)
+        # intermittently with 1F1B and always with zero-bubble, so the stage averages its
+        # gradients once the schedule has flushed (no overlap with the last backward).
+        self.dp_group = mesh.dp_group
+        self.average_over_dp = mesh.dp_size > 1 and not fsdp_active(cfg, mesh) and not cfg.noddp
         self.is_first, self.is_last = 0 in stage_ids, n_stages - 1 in stage_ids
         self.stages = [pipelining.PipelineStage(c, i, n_stages, device, group=self.group)
                        for c, i in zip(chunks, stage_ids)]
         schedule = getattr(pipelining, SCHEDULES[cfg.pipeline_schedule])
         # scale_grads: each micro-batch's loss is its mean; the gradients are divided by their
         # number, so the step's gradient is that of the mean over the whole batch
-        self.schedule = schedule(self.stages if cfg.pipeline_schedule in MULTI_STAGE else self.stages[0],
+        self.schedule = schedule(self.stages if cfg.pipeline_schedule in INTERLEAVED else self.stages[0],
                                  n_microbatches=cfg.num_microbatches, loss_fn=loss_fn, scale_grads=True)
         serial = unwrap(chunks[-1])
         self.token_shape = (serial.num_tokens, cfg.embed_dim)
@@ -145,6 +155,8 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (inp,) if self.is_first else ()
         self.schedule.step(*args, target=tar if self.is_last else None, losses=losses)
+        if self.average_over_dp:
+            average_gradients(list(self.parameters()), self.dp_group)
         loss = torch.stack(losses).mean().detach() if self.is_last else \
             torch.zeros((), device=self.device)
         return all_reduce_sum(loss, self.group)
@@ -184,8 +196,23 @@ class Pipeline:
         backward ("B") a stage runs (``time.perf_counter`` seconds). The time a stage waits
         for its neighbour's tensors falls between the events: the bubble."""
         for stage in self.stages:
-            for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
-                setattr(stage, name, _timed(getattr(stage, name), kind, stage.stage_index, events))
+            for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"),
+                               ("W", "backward_weight_one_chunk")):  # W: zero-bubble's weight part
+                if hasattr(stage, name):
+                    setattr(stage, name, _timed(getattr(stage, name), kind, stage.stage_index, events))
+
+
+def average_gradients(params: list[nn.Parameter], group: Any) -> None:
+    """Average the gradients over the ranks of ``group`` with one all-reduce of all of them,
+    flattened into one buffer (what DDP does bucket by bucket during backward)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _timed(fn: Callable[..., Any], kind: str, stage: int, events: list) -> Callable[..., Any]:

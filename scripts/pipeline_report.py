@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The pipeline bubble, made visible: when each stage ran each micro-batch's forward and
-backward, for GPipe, 1F1B and interleaved 1F1B, and what micro-batches cost in memory.
+backward, for GPipe, 1F1B, interleaved 1F1B and zero bubble, and what micro-batches cost in memory.
 
-    python scripts/pipeline_report.py --config tiny --out pipeline
+    python scripts/pipeline_report.py --config tiny_deep --out pipeline
 
 Every measurement is a real training run (train_mp.py's loop, on CPU with gloo via torchrun,
 or on the GPUs there are) of ``--steps`` steps. Each rank records, in the last step, the start
@@ -28,7 +28,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+from utils.config_checks import INTERLEAVED  # noqa: E402
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 RECORD_FILE = "pipeline_rank{rank}.json"
 MIB = 2**20
 
@@ -126,10 +128,13 @@ def launch(ranks: int, flags: list[str]) -> None:
         raise SystemExit(f"error: {' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
 
 
-def bubble_on_paper(schedule: str, p: int, m: int, v: int) -> float:
+def bubble_on_paper(schedule: str, p: int, m: int, v: int) -> float | None:
     """Idle fraction of a flushed pipeline: (p - 1) / (m + p - 1); interleaving fills it v times
-    faster, (p - 1) / (v m + p - 1)."""
-    v = v if schedule == "interleaved_1f1b" else 1
+    faster, (p - 1) / (v m + p - 1). Zero-bubble schedules fill it with weight gradients: how
+    much is left depends on the ratio of the backward's parts (no one formula)."""
+    if schedule == "zero_bubble":
+        return None
+    v = v if schedule in INTERLEAVED else 1
     return (p - 1) / (v * m + p - 1)
 
 
@@ -164,8 +169,12 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         mib = " / ".join(f"{x:.1f}" for x in r["saved_MiB"])
         out.append(f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['samples_per_sec']:.1f} | "
-                   f"{r['bubble_on_paper']:.2f} | {r['bubble_measured']:.2f} | {mib} |")
+                   f"{_fraction(r['bubble_on_paper'])} | {r['bubble_measured']:.2f} | {mib} |")
     return out
+
+
+def _fraction(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -183,24 +192,25 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                 y = r["pp"] - 1 - lane["rank"]
                 ax.barh(y, (b - a) * 1e3, left=a * 1e3, height=0.8, color=cmap(mb % 10),
                         alpha=1.0 if kind == "F" else 0.55, edgecolor="black", linewidth=0.5,
-                        hatch=None if kind == "F" else "//")
-                ax.text((a + b) / 2 * 1e3, y, f"{kind}{mb}" + (f"s{stage}" if r["v"] > 1 and
-                        r["schedule"] == "interleaved_1f1b" else ""), ha="center", va="center", fontsize=6)
+                        hatch={"F": None, "B": "//", "W": ".."}[kind])
+                label = f"{kind}{mb}" + (f"s{stage}" if r["schedule"] in INTERLEAVED else "")
+                ax.text((a + b) / 2 * 1e3, y, label, ha="center", va="center", fontsize=6)
         ax.set_yticks(range(r["pp"]), [f"rank {r['pp'] - 1 - i}" for i in range(r["pp"])])
         ax.set_title(f"{r['schedule']}: {r['pp']} stages, {r['microbatches']} micro-batches; bubble "
-                     f"{r['bubble_measured']:.2f} measured, {r['bubble_on_paper']:.2f} on paper", fontsize=9)
+                     f"{r['bubble_measured']:.2f} measured, {_fraction(r['bubble_on_paper'])} on paper",
+                     fontsize=9)
         ax.set_xlim(0, r["step_seconds"] * 1e3)
-    axes[-1, 0].set_xlabel("milliseconds into the training step (F: forward, B: backward, colour: micro-batch; "
-                           "blank: waiting)")
+    axes[-1, 0].set_xlabel("milliseconds into the training step (F: forward, B: backward, W: weight "
+                           "gradients, colour: micro-batch; blank: waiting)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def driver(argv: list[str] | None = None) -> int:
-    from utils.config import DEFAULT_YAML
+    from utils.config import DEFAULT_YAML, load_config
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="tiny")
+    p.add_argument("--config", default="tiny_deep")
     p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline sizes (ranks)")
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
@@ -212,8 +222,10 @@ def driver(argv: list[str] | None = None) -> int:
     p.add_argument("flags", nargs="*", help="more train_mp.py flags after --, e.g. -- --data_dir DIR")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
+    depth = load_config(args.yaml_config, args.config).depth
     runs = [(s, pp, m) for pp in args.stages for m in args.microbatches for s in SCHEDULES
-            if m >= pp and args.batch % m == 0]
+            if m >= pp and args.batch % m == 0
+            and pp * (args.stages_per_rank if s in INTERLEAVED else 1) <= depth]
     print(f"{len(runs)} runs of {args.steps} steps:", flush=True)
     rows = [measure(args, *run) for run in runs]
     md = [f"Config `{args.config}`, global batch {args.batch}, fp32; interleaved_1f1b with "

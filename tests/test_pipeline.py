@@ -86,6 +86,10 @@ def test_a_stage_keeps_its_parts_under_the_serial_names(cfg_factory):
     ({"pipeline_parallel": 2, "amp_mode": "fp16"}, "fp16 is not supported with pipeline_parallel"),
     ({"pipeline_parallel": 2, "context_parallel": 2}, "does not combine with context_parallel"),
     ({"pipeline_parallel": 2, "grad_accum_steps": 2}, "use --num_microbatches instead"),
+    ({"pipeline_parallel": 2, "depth": 4, "pipeline_schedule": "zero_bubble", "data_parallel": "fsdp"},
+     "zero_bubble schedule with data_parallel fsdp"),
+    ({"pipeline_parallel": 2, "depth": 4, "pipeline_schedule": "zero_bubble", "enable_jit": True},
+     "torch.compile'd blocks do not allow"),
 ])
 def test_impossible_pipelines_are_refused(flags, message, data_dir, tmp_path):
     with pytest.raises(ValueError, match=message):
@@ -114,8 +118,13 @@ VARIANTS = {  # name: (ranks, flags)
     "gpipe": (2, {**PP2, "pipeline_schedule": "gpipe"}),
     "1f1b": (2, {**PP2, "pipeline_schedule": "1f1b"}),
     "interleaved_1f1b": (2, {**PP2, "pipeline_schedule": "interleaved_1f1b"}),
+    "zero_bubble": (2, {**PP2, "pipeline_schedule": "zero_bubble"}),
     "pp4_1f1b": (4, {"pipeline_parallel": 4}),
-    "pp2_x_dp2_ddp": (4, PP2),
+    # the stages average their gradients over dp themselves; 2 micro-batches on 2 stages is
+    # where DDP inside torch's stages failed intermittently
+    "pp2_x_dp2": (4, {**PP2, "num_microbatches": 2}),
+    "pp2_x_dp2_zero_bubble_checkpointing": (4, {**PP2, "pipeline_schedule": "zero_bubble",
+                                                "activation_checkpointing": "full"}),
     "pp2_x_dp2_fsdp": (4, {**PP2, "data_parallel": "fsdp"}),
     "pp2_x_tp2": (4, {**PP2, "tensor_parallel": 2, "pipeline_schedule": "gpipe"}),
 }

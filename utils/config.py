@@ -28,7 +28,7 @@ DATA_LOADERS = ("pytorch", "dali")
 LR_SCHEDULES = ("cosine", "constant")
 OPTIMIZERS = ("Adam",)
 DATA_PARALLEL = ("ddp", "zero1", "fsdp")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ADAM_BETAS = (0.9, 0.95)  # beta2 0.95, as the tutorial: steadier with large batches
 
 
@@ -85,8 +85,8 @@ class Config:
     pipeline_schedule: str = key("1f1b", "order of the micro-batches' forward and backward passes on "
                                  "each stage", "parallelism", choices=PIPELINE_SCHEDULES)
     num_microbatches: int = key(4, "pipeline micro-batches the local batch is split into", "parallelism")
-    stages_per_rank: int = key(2, "interleaved_1f1b: pipeline stages (model chunks) on each rank",
-                               "parallelism")
+    stages_per_rank: int = key(2, "interleaved_1f1b and zero_bubble: pipeline stages (model chunks) "
+                                  "on each rank", "parallelism")
     parallel_order: str = key("tp-cp-dp", "rank layout, fastest-varying dimension first (pp, when "
                                           "not named, varies slowest)", "parallelism")
     # memory

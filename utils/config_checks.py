@@ -125,9 +125,12 @@ def _check_data_parallel(cfg: Config) -> None:
                          "--data_parallel ddp or zero1 with context parallelism")
 
 
+INTERLEAVED = ("interleaved_1f1b", "zero_bubble")  # schedules with several stages on each rank
+
+
 def pipeline_stages(cfg: Config) -> int:
     """Stages of the whole pipeline: one per rank, or ``stages_per_rank`` with interleaving."""
-    per_rank = cfg.stages_per_rank if cfg.pipeline_schedule == "interleaved_1f1b" else 1
+    per_rank = cfg.stages_per_rank if cfg.pipeline_schedule in INTERLEAVED else 1
     return cfg.pipeline_parallel * per_rank
 
 
@@ -155,9 +158,16 @@ def _check_pipeline(cfg: Config) -> None:
                          f"(num_microbatches {m} < pipeline_parallel {pp}); use --num_microbatches {pp} "
                          f"or more")
     rounds = max(1, m // pp)  # interleaving runs the micro-batches in rounds of pp
-    if cfg.pipeline_schedule == "interleaved_1f1b" and m % rounds:
-        raise ValueError(f"interleaved_1f1b runs micro-batches in rounds of pipeline_parallel {pp}: "
-                         f"num_microbatches {m} must be a multiple of {pp} (or at most {pp})")
+    if cfg.pipeline_schedule in INTERLEAVED and m % rounds:
+        raise ValueError(f"{cfg.pipeline_schedule} runs micro-batches in rounds of pipeline_parallel "
+                         f"{pp}: num_microbatches {m} must be a multiple of {pp} (or at most {pp})")
+    if cfg.pipeline_schedule == "zero_bubble" and cfg.data_parallel == "fsdp":  # seen on torch 2.13
+        raise ValueError("the zero_bubble schedule with data_parallel fsdp trains with gradients that "
+                         "differ from the serial model's; use --data_parallel ddp or another schedule")
+    if cfg.pipeline_schedule == "zero_bubble" and cfg.enable_jit:
+        raise ValueError("the zero_bubble schedule splits each backward into its input and weight "
+                         "parts, which torch.compile'd blocks do not allow; use --no-enable_jit or "
+                         "another schedule")
 
 
 def _check_profiling(cfg: Config) -> None:
