@@ -3,7 +3,9 @@
 # groups inside a node, data parallel across nodes. Choose the nodes at submission:
 #   sbatch --nodes 4 submit_pm_mp.sh --config=mp --tensor_parallel=4
 #   sbatch --nodes 4 submit_pm_mp.sh --config=mp_patch4 --context_parallel=4
-# Nodes x 4 must be divisible by tensor_parallel x context_parallel. Every argument goes to
+#   sbatch --nodes 2 submit_pm_mp.sh --config=mp --tensor_parallel=4 --pipeline_parallel=2
+# Nodes x 4 must be divisible by tensor_parallel x context_parallel x pipeline_parallel
+# (pipeline stages vary slowest: across nodes). Every argument goes to
 # train_mp.py. DATADIR, LOGDIR, IMAGE, ENABLE_PROFILING, PROFILE_OUTPUT and REQUEUE are read
 # from the environment (see scripts/slurm_common.sh).
 #SBATCH -C gpu
