@@ -212,6 +212,7 @@ def driver(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="tiny_deep")
     p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline sizes (ranks)")
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--stages_per_rank", type=int, default=2, help="interleaved_1f1b's stages per rank")
@@ -223,7 +224,7 @@ def driver(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.out = args.out.resolve()
     depth = load_config(args.yaml_config, args.config).depth
-    runs = [(s, pp, m) for pp in args.stages for m in args.microbatches for s in SCHEDULES
+    runs = [(s, pp, m) for pp in args.stages for m in args.microbatches for s in args.schedules
             if m >= pp and args.batch % m == 0
             and pp * (args.stages_per_rank if s in INTERLEAVED else 1) <= depth]
     print(f"{len(runs)} runs of {args.steps} steps:", flush=True)

@@ -120,10 +120,11 @@ VARIANTS = {  # name: (ranks, flags)
     "interleaved_1f1b": (2, {**PP2, "pipeline_schedule": "interleaved_1f1b"}),
     "zero_bubble": (2, {**PP2, "pipeline_schedule": "zero_bubble"}),
     "pp4_1f1b": (4, {"pipeline_parallel": 4}),
-    # the stages average their gradients over dp themselves; 2 micro-batches on 2 stages is
-    # where DDP inside torch's stages failed intermittently
-    "pp2_x_dp2": (4, {**PP2, "num_microbatches": 2}),
-    "pp2_x_dp2_zero_bubble_checkpointing": (4, {**PP2, "pipeline_schedule": "zero_bubble",
+    # the stages average their gradients over dp themselves (2 micro-batches on 2 stages: where
+    # DDP inside torch's stages failed intermittently), here with zero bubble's split backward
+    # and every block recomputed
+    "pp2_x_dp2_zero_bubble_checkpointing": (4, {**PP2, "num_microbatches": 2,
+                                                "pipeline_schedule": "zero_bubble",
                                                 "activation_checkpointing": "full"}),
     "pp2_x_dp2_fsdp": (4, {**PP2, "data_parallel": "fsdp"}),
     "pp2_x_tp2": (4, {**PP2, "tensor_parallel": 2, "pipeline_schedule": "gpipe"}),

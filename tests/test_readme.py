@@ -192,8 +192,9 @@ SCRIPT_OVERRIDES = {
     "sharding_report.py": lambda runner: [  # 1 and 2 ranks, one step each
         "--ranks", "1", "2", "--steps", "1", "--out", str(runner.tmp / "sharding"),
         "--", "--data_dir", str(runner.data_for("tiny_large"))],
-    "pipeline_report.py": lambda runner: [  # every schedule on 2 stages, 4 micro-batches, 2 steps
-        "--stages", "2", "--microbatches", "4", "--steps", "2", "--batch", "8",
+    "pipeline_report.py": lambda runner: [  # two schedules on 2 stages, 4 micro-batches, 2 steps
+        "--schedules", "1f1b", "zero_bubble", "--stages", "2", "--microbatches", "4", "--steps", "2",
+        "--batch", "8",
         "--out", str(runner.tmp / "pipeline"), "--", "--data_dir", str(runner.data_for("tiny_deep"))],
     # the two runs of the README's commands just before it, and the committed example
     "plot_model_sizes.py": lambda runner: [
