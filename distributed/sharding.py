@@ -23,10 +23,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distributed.mesh import ParallelMesh
 from distributed.tags import spec
+from utils import compat
 from utils.config import Config
 
 log = logging.getLogger(__name__)
@@ -94,10 +96,13 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> nn.Module:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if cfg.amp_mode == "bf16" else MixedPrecisionPolicy()
     dp_mesh = mesh.device_mesh["dp"]
+    backend = dist.get_backend(mesh.dp_group)
     for block in model.blocks.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=cfg.reshard_after_forward,
                     mp_policy=policy)
+        compat.fsdp_average_on_gloo(block, backend)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    compat.fsdp_average_on_gloo(model, backend)
     for name, p in model.named_parameters():  # fully_shard made new (DTensor) parameters
         p.mp_spec = tags[name]
     return model

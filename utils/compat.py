@@ -52,3 +52,16 @@ def ddp_buffer_sync(sync: bool) -> dict[str, bool]:
 
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     return {"forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers": sync}
+
+
+def fsdp_average_on_gloo(module: torch.nn.Module, backend: str) -> None:
+    """Make a ``fully_shard``-ed module average its gradients correctly over gloo.
+
+    torch 2.8's FSDP2 reduce-scatters fp32 and bf16 gradients with ``ReduceOp.AVG``, which
+    gloo sums: every gradient came out dp-size times too large. Adam hides the scale in
+    training (the same losses), but its saved moments were dp-size (and its square) times
+    too large, so a checkpoint resumed at another scale continued differently. Summing, then
+    dividing after the reduction (what torch 2.13 does for gloo itself) is right everywhere.
+    """
+    if backend == "gloo":
+        module.set_force_sum_reduction_for_comms(True)
