@@ -8,6 +8,7 @@ state is spread over the dp ranks (distributed/sharding.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -40,15 +41,21 @@ def gather_full(t: torch.Tensor, p_spec: ParamSpec, mesh: ParallelMesh) -> torch
     return _all_gather(t.detach(), p_spec.shard_dim, mesh.group("tp"), sizes)
 
 
+def check_names(expected: Iterable[str], state: dict[str, torch.Tensor]) -> None:
+    """A consolidated state must hold exactly the serial model's parameters."""
+    expected = set(expected)
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit this model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}); was it written for another model size?")
+
+
 @torch.no_grad()
 def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], mesh: ParallelMesh) -> None:
     """Load a consolidated (serial) state dict: each rank copies its shards."""
     own = dict(model.named_parameters())
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit this model (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}); was it written for another model size?")
+    check_names(own, state)
     for name, p in own.items():
         shard = take_shard(state[name], spec(p), mesh).to(p.device)
         if shard.shape != p.shape:  # a DTensor's shape is that of the whole (unsharded) tensor

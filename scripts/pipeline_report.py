@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.workers import run_worker  # noqa: E402
 from utils.config_checks import INTERLEAVED  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -119,15 +119,6 @@ def worker(argv: list[str]) -> int:
 
 
 # ------------------------------------------------------------------ the driver ---
-def launch(ranks: int, flags: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           str(Path(__file__).resolve()), "--worker", *flags]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(f"error: {' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
-
-
 def bubble_on_paper(schedule: str, p: int, m: int, v: int) -> float | None:
     """Idle fraction of a flushed pipeline: (p - 1) / (m + p - 1); interleaving fills it v times
     faster, (p - 1) / (v m + p - 1). Zero-bubble schedules fill it with weight gradients: how
@@ -147,7 +138,8 @@ def measure(args: argparse.Namespace, schedule: str, p: int, m: int) -> dict[str
              f"--pipeline_schedule={schedule}", f"--num_microbatches={m}",
              f"--stages_per_rank={args.stages_per_rank}", "--limit_nsamples_val=8",
              f"--limit_nsamples={args.batch * args.steps}", *args.flags]
-    launch(p, flags)
+    run_worker(__file__, p, flags, {**os.environ, "PYTHONPATH": str(REPO),
+                                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     run_dir = next((args.out / "runs" / args.config).glob(f"*/{name}"))
     ranks = [json.loads((run_dir / RECORD_FILE.format(rank=r)).read_text()) for r in range(p)]
     last = [r["steps"][-1] for r in ranks]

@@ -20,13 +20,14 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from scripts.workers import run_worker  # noqa: E402
 
 MODES = ("ddp", "zero1", "fsdp")
 COMM_FILE = "comm.json"
@@ -108,15 +109,6 @@ def worker(argv: list[str]) -> int:
 
 
 # ------------------------------------------------------------------ the driver ---
-def launch(ranks: int, flags: list[str], env: dict[str, str]) -> None:
-    me = [str(Path(__file__).resolve()), "--worker"]
-    cmd = [sys.executable, *me] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *me]
-    result = subprocess.run(cmd + flags, cwd=REPO, env=env, capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(f"error: {' '.join(cmd + flags)} failed:\n{result.stderr[-2000:]}")
-
-
 def last_metrics(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
 
@@ -132,7 +124,7 @@ def measure(args: argparse.Namespace, mode: str, ranks: int, checkpointing: str 
     # the peak resident memory of the same run would vary from one run to the next
     env = {**os.environ, "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    launch(ranks, flags, env)
+    run_worker(__file__, ranks, flags, env)
     run_dir = next((args.out / "runs" / args.config).glob(f"*/{name}"))
     m = last_metrics(run_dir)
     comm = json.loads((run_dir / COMM_FILE).read_text()) if (run_dir / COMM_FILE).is_file() else {}

@@ -183,3 +183,44 @@ def test_a_serial_checkpoint_resumes_in_a_pipeline(serial, data_dir, test_yaml, 
            timeout=240, **MP))
     assert [m["step"] for m in metrics(target)] == [4, 6]
     assert_same_losses(serial, metrics(target))
+
+
+# ------------------------------------------------------------------- the report ---
+def test_saved_tensor_meter_counts_what_backward_holds():
+    import torch
+
+    from scripts.pipeline_report import SavedTensorMeter
+
+    meter = SavedTensorMeter()
+    w = torch.nn.Parameter(torch.ones(256, 256))
+    x = torch.ones(64, 256, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        y = (x @ w).relu()  # matmul saves x (and w, a parameter: not counted), relu its output
+        held = meter.now
+        y.sum().backward()
+    del y
+    assert held == 2 * 64 * 256 * 4 and meter.peak == held
+    assert meter.now == 0  # released once backward is done with them
+
+
+def test_report_records_every_micro_batch_of_every_stage(data_dir, test_yaml, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, subprocess_env
+
+    out = tmp_path / "report"
+    result = subprocess.run(
+        [sys.executable, "scripts/pipeline_report.py", "--config", "tiny", "--yaml_config", str(test_yaml),
+         "--schedules", "1f1b", "--stages", "2", "--microbatches", "4", "--steps", "2", "--batch", "8",
+         "--timeline", "2:4", "--out", str(out), "--", "--data_dir", str(data_dir)],
+        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    ok(result)
+    (row,) = json.loads((out / "pipeline.json").read_text())
+    assert row["bubble_on_paper"] == pytest.approx(1 / 5)  # (p - 1) / (m + p - 1)
+    assert 0 < row["bubble_measured"] < 1 and all(mib > 0 for mib in row["saved_MiB"])
+    for lane in row["timeline"]:
+        runs = sorted((kind, mb) for kind, _, mb, _, _ in lane["events"])
+        assert runs == sorted((k, mb) for k in "FB" for mb in range(4)), lane["rank"]
+    assert (out / "pipeline_timeline.png").stat().st_size > 10_000

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from distributed import pipeline
+from distributed import consolidate, pipeline
 from distributed.parallelize import parallelize
 from networks.vit import build_vit, count_parameters
 from training.context import RunContext
@@ -90,8 +90,7 @@ class PipelineTrainer(Trainer):
         return {name: merged[name] for name in self.serial_names}
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        if set(state) != set(self.serial_names):
-            super().load_model_state(state)  # raises the usual "does not fit" error
+        consolidate.check_names(self.serial_names, state)  # the whole model, not only this stage
         super().load_model_state({name: state[name] for name in self._own_names()})
 
     def optimizer_state(self) -> dict[str, Any]:

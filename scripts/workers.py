@@ -1,0 +1,20 @@
+"""Starting a script's own ``--worker`` mode on N ranks, for the report scripts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_worker(script: str, ranks: int, flags: list[str], env: dict[str, str]) -> None:
+    """``script --worker FLAGS`` in one process, or on ``ranks`` ranks through torchrun; a failure
+    ends the report with the command and the end of its error output."""
+    me = [str(Path(script).resolve()), "--worker"]
+    cmd = [sys.executable, *me] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *me]
+    result = subprocess.run(cmd + flags, cwd=REPO, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"error: {' '.join(cmd + flags)} failed:\n{result.stderr[-2000:]}")
