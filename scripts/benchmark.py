@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -273,22 +274,37 @@ def dali_available() -> bool:
     return True
 
 
-def loader_alone(trainer: Trainer, batches: int) -> dict[str, Any]:
-    """Samples/s of the rung's training loader with no model, and of h5py reading the
-    same samples' raw bytes in a plain loop (after one warm-up pass of each)."""
+LOADER_REPEATS = 5  # alternating loader / raw passes of the loader-alone measurement
+
+
+def loader_alone(trainer: Trainer, batches: int, repeats: int = LOADER_REPEATS) -> dict[str, Any]:
+    """Samples/s of the rung's training loader with no model, and of h5py reading the same
+    samples in a plain loop (after one warm-up batch of the loader and one pass of the loop).
+
+    The two alternate ``repeats`` times, each loader pass followed by a raw pass over the
+    samples it gave; the medians are reported, and the median of the passes' ratios (a pass
+    and its raw pass see the same machine load, so their ratio scatters less than either).
+    """
     data = trainer.build_data("train", train=True)
     it = epochs(data)
     next(it)  # warm-up: workers, pipeline start, page cache
-    t0 = time.perf_counter()
-    n = sum(next(it)[0].shape[0] for _ in range(batches))
-    loader_rate = n / (time.perf_counter() - t0)
+    raw = RawReads(trainer.cfg)
+    order = _sample_indices(trainer.cfg, trainer.local_batch, batches * repeats * trainer.local_batch)
+    loader_rates, raw_rates = [], []
+    for k in range(repeats):
+        t0 = time.perf_counter()
+        n = sum(next(it)[0].shape[0] for _ in range(batches))
+        loader_rates.append(n / (time.perf_counter() - t0))
+        raw_rates.append(raw.rate(order[k * n : (k + 1) * n]))
     it.close()
     if hasattr(data, "close"):
         data.close()
-    indices = _sample_indices(trainer.cfg, trainer.local_batch, n)
-    raw_rate, nbytes = raw_h5py_rate(trainer.cfg, indices)
-    return {"samples_per_sec": loader_rate, "raw_h5py_samples_per_sec": raw_rate,
-            "raw_h5py_MB_per_sec": raw_rate * nbytes / 1e6, "ratio_to_raw": loader_rate / raw_rate}
+    raw.close()
+    ratios = [a / b for a, b in zip(loader_rates, raw_rates)]
+    return {"samples_per_sec": statistics.median(loader_rates),
+            "raw_h5py_samples_per_sec": statistics.median(raw_rates),
+            "raw_h5py_MB_per_sec": statistics.median(raw_rates) * raw.sample_bytes / 1e6,
+            "ratio_to_raw": statistics.median(ratios), "ratios": ratios}
 
 
 def epochs(data):
@@ -301,7 +317,7 @@ def epochs(data):
 
 
 def _sample_indices(cfg: Config, batch: int, n: int) -> list[int]:
-    """The samples the loader gave after its warm-up batch, in the same epochs."""
+    """The samples the loader gives after its warm-up batch, in the same epochs."""
     from utils.data_loader import get_data_loader
 
     _, _, sampler = get_data_loader(cfg, "train", batch, True)
@@ -314,30 +330,39 @@ def _sample_indices(cfg: Config, batch: int, n: int) -> list[int]:
     return order[batch : batch + n]
 
 
-def raw_h5py_rate(cfg: Config, indices: list[int]) -> tuple[float, int]:
-    """Samples/s of reading (fields[t], fields[t + dt]) with h5py, nothing else."""
-    from utils.data_loader import ERA5Dataset
+class RawReads:
+    """The reference: (fields[t], fields[t + dt]) read with h5py slicing, nothing else."""
 
-    ds = ERA5Dataset(cfg, "train", cfg.limit_nsamples)
-    h, w = cfg.img_size
-    files = [h5py.File(f.path, "r")["fields"] for f in ds.files]
-    located = [ds.locate(i) for i in indices]
+    def __init__(self, cfg: Config) -> None:
+        from utils.data_loader import ERA5Dataset
 
-    def read_all() -> int:
-        nbytes = 0
-        for file_no, t in located:
-            a = files[file_no][t, :, :h, :w]
-            b = files[file_no][t + cfg.dt, :, :h, :w]
-            nbytes += a.nbytes + b.nbytes
-        return nbytes
+        self.cfg = cfg
+        self.dataset = ERA5Dataset(cfg, "train", cfg.limit_nsamples)
+        self.files = [h5py.File(f.path, "r")["fields"] for f in self.dataset.files]
+        h, w = cfg.img_size
+        self.sample_bytes = 2 * self.files[0].dtype.itemsize * cfg.n_in_channels * h * w
+        self._warm = False
 
-    read_all()  # warm-up, as for the loader
-    t0 = time.perf_counter()
-    nbytes = read_all()
-    rate = len(indices) / (time.perf_counter() - t0)
-    for f in files:
-        f.file.close()
-    return rate, nbytes // max(1, len(indices))
+    def read(self, indices: list[int]) -> None:
+        h, w = self.cfg.img_size
+        for index in indices:
+            file_no, t = self.dataset.locate(index)
+            fields = self.files[file_no]
+            inp = fields[t, :, :h, :w]  # noqa: F841 (kept until the next pair, as a loop would)
+            tar = fields[t + self.cfg.dt, :, :h, :w]  # noqa: F841
+
+    def rate(self, indices: list[int]) -> float:
+        """Samples/s of reading ``indices`` (the first call reads them once untimed first)."""
+        if not self._warm:
+            self.read(indices)  # warm-up, as for the loader
+            self._warm = True
+        t0 = time.perf_counter()
+        self.read(indices)
+        return len(indices) / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.file.close()
 
 
 # -------------------------------------------------------------------- rungs ---

@@ -15,10 +15,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from utils.batch_memory import BatchMemory
 from utils.config import Config
 from utils.era5 import STATS_FILES
+from utils.h5_steps import StepReader
 from utils.sampler import ShardedSampler
 from utils.signals import ignore_in_worker
 
@@ -120,8 +122,8 @@ def load_stats(data_dir: Path, n_channels: int) -> dict[str, np.ndarray]:
 class ERA5Dataset(Dataset):
     """Pairs (x_t, x_{t+dt}) normalised with the global statistics.
 
-    File handles are opened lazily, per worker process: h5py handles cannot be pickled
-    into DataLoader workers, and each worker needs its own.
+    Year files are opened lazily, per process (DataLoader workers included): h5py handles
+    cannot be pickled into workers, and each worker needs its own.
     """
 
     def __init__(self, cfg: Config, split: str, limit: int | None = None) -> None:
@@ -137,13 +139,15 @@ class ERA5Dataset(Dataset):
         self.offsets = np.cumsum([0] + self.samples_per_file)
         total = int(self.offsets[-1])
         self.n_samples = min(total, limit) if limit is not None else total
-        self._handles: dict[int, h5py.Dataset] = {}
+        self._readers: dict[int, StepReader] = {}
+        self._step: np.ndarray | None = None  # one whole step, for crops of larger grids
+        self._memory = BatchMemory()
         log.info("%s: %d samples from %d files in %s", split, self.n_samples, len(self.files),
                  split_dir(self.data_dir, split))
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_handles"] = {}
+        state["_readers"], state["_step"], state["_memory"] = {}, None, BatchMemory()
         return state
 
     def __len__(self) -> int:
@@ -156,39 +160,51 @@ class ERA5Dataset(Dataset):
         file_no = int(np.searchsorted(self.offsets, index, side="right")) - 1
         return file_no, index - int(self.offsets[file_no])
 
-    def _fields(self, file_no: int) -> h5py.Dataset:
-        if file_no not in self._handles:
-            self._handles[file_no] = h5py.File(self.files[file_no].path, "r")["fields"]
-        return self._handles[file_no]
+    def _reader(self, file_no: int) -> StepReader:
+        if file_no not in self._readers:
+            self._readers[file_no] = StepReader(self.files[file_no].path)
+        return self._readers[file_no]
 
     def read_raw(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Un-normalised (fields[t], fields[t + dt]) cropped to img_size, float32."""
         file_no, t = self.locate(index)
         h, w = self.img_size
-        fields = self._fields(file_no)
+        fields = self._reader(file_no).fields
         return fields[t, :, :h, :w], fields[t + self.dt, :, :h, :w]
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole batch at once (the DataLoader calls this instead of ``__getitem__`` per
-        sample), in preallocated (B, C, H, W) tensors. Each raw field is read (h5py's fast
-        path for plain slices) and its mean subtracted straight into the batch, which is then
-        divided by the std in one pass (torch's, on every thread of the process). The float32
-        operations are those of ``__getitem__``, so the values are the same bits; what is
-        saved is a copy per sample (collating), the per-sample temporaries and numpy calls.
+        sample). Each step is read straight into its row of the (B, C, H, W) batch and
+        normalised there while it is still in cache; the float32 operations are those of
+        ``__getitem__`` (subtract the mean, then divide by the std), so the values are the
+        same bits. In the process that trains (no loader workers), the batch tensors are
+        recycled once the training step has let go of them (utils/batch_memory.py).
         """
         h, w = self.img_size
-        inp = torch.empty(len(indices), len(self.means), h, w)
-        tar = torch.empty(len(indices), self.n_out, h, w)
-        inp_np, tar_np = inp.numpy(), tar.numpy()
-        out_means = self.means[: self.n_out]
+        shapes = (len(indices), len(self.means), h, w), (len(indices), self.n_out, h, w)
+        if get_worker_info() is None:
+            inp, tar = (self._memory.take(shape) for shape in shapes)
+        else:  # the batch leaves this process through shared memory: never recycled
+            inp, tar = (torch.empty(shape) for shape in shapes)
         for i, index in enumerate(indices):
             file_no, t = self.locate(index)
-            fields = self._fields(file_no)
-            np.subtract(fields[t, :, :h, :w], self.means, out=inp_np[i])
-            np.subtract(fields[t + self.dt, : self.n_out, :h, :w], out_means, out=tar_np[i])
-        inp.div_(self.stds_t)
-        tar.div_(self.stds_t[: self.n_out])
+            reader = self._reader(file_no)
+            self._normalised_step(reader, t, inp[i])
+            self._normalised_step(reader, t + self.dt, tar[i])
         return inp, tar
+
+    def _normalised_step(self, reader: StepReader, t: int, row: torch.Tensor) -> None:
+        """row (c, h, w) <- (fields[t, :c, :h, :w] - mean) / std."""
+        c, h, w = row.shape
+        if (c, h, w) == reader.step_shape:  # the row is the whole step: read it in place
+            reader.read_step(t, row.numpy())
+            row.sub_(self.means_t)
+        else:  # a crop of a larger grid, or fewer target channels: via one whole step
+            if self._step is None:
+                self._step = np.empty(reader.step_shape, np.float32)
+            step = torch.from_numpy(reader.read_step(t, self._step))
+            torch.sub(step[:c, :h, :w], self.means_t[:c], out=row)
+        row.div_(self.stds_t[:c])
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         # (x - mean) / std, in place: read_raw returns fresh arrays, and temporaries would

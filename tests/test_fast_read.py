@@ -1,0 +1,161 @@
+"""The batch path of the loader: steps copied by byte offset, recycled batch memory, and the
+same bits as the per-sample path (``ERA5Dataset.__getitem__``) for every storage layout."""
+
+import logging
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import TEST_IMG
+from utils import batch_memory, h5_steps
+from utils.batch_memory import BatchMemory
+from utils.data_loader import ERA5Dataset, get_data_loader
+from utils.h5_steps import StepReader
+
+
+def rewrite(src_dir, dst_dir, **create_kwargs):
+    """A copy of a data set whose year files store 'fields' as ``create_kwargs`` say."""
+    shutil.copytree(src_dir, dst_dir)
+    file_kwargs = create_kwargs.pop("file_kwargs", {})
+    for path in dst_dir.glob("*/*.h5"):
+        with h5py.File(path, "r") as f:
+            data = f["fields"][:]
+        with h5py.File(path, "w", **file_kwargs) as f:
+            f.create_dataset("fields", data=data, **create_kwargs)
+    return dst_dir
+
+
+def per_sample(ds, indices):
+    """The loader's batch as the per-sample path makes it (the reference values)."""
+    pairs = [ds[i] for i in indices]
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+def assert_same_bits(batch, expected):
+    for got, want in zip(batch, expected):
+        assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+LAYOUTS = {  # storage of 'fields' -> whether steps are copied by byte offset
+    "one chunk per step (make data)": ({}, True),
+    "contiguous": ({"chunks": None}, True),
+    "compressed": ({"chunks": (1, 20, *TEST_IMG), "compression": "gzip"}, False),
+    "chunk of two steps": ({"chunks": (2, 20, *TEST_IMG)}, False),
+    "user block": ({"file_kwargs": {"userblock_size": 512}}, False),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_gives_the_per_sample_bits(layout, data_dir, tmp_path, cfg_factory):
+    kwargs, plain = LAYOUTS[layout]
+    root = data_dir if not kwargs else rewrite(data_dir, tmp_path / "copy", **kwargs)
+    ds = ERA5Dataset(cfg_factory(data_dir=str(root)), "train")
+    indices = [0, 38, 39, 5, 77]  # both years, the last sample of the first
+    assert_same_bits(ds.__getitems__(indices), per_sample(ds, indices))
+    assert ds._reader(0).plain is plain
+
+
+@pytest.mark.parametrize("overrides", [{"n_out_channels": 3}, {"img_size": (12, 20)}])
+def test_fewer_target_channels_and_crops(overrides, cfg_factory):
+    ds = ERA5Dataset(cfg_factory(**overrides), "valid")
+    indices = [3, 0, 17]
+    assert_same_bits(ds.__getitems__(indices), per_sample(ds, indices))
+
+
+def test_reader_falls_back_when_offsets_disagree(data_dir, monkeypatch, caplog):
+    real = h5_steps.plain_step_offsets
+    monkeypatch.setattr(h5_steps, "plain_step_offsets", lambda fields: real(fields) + 4)
+    with caplog.at_level(logging.WARNING):
+        reader = StepReader(data_dir / "train" / "2016.h5")
+    assert not reader.plain and "disagrees with h5py" in caplog.text
+    step = np.empty(reader.step_shape, np.float32)
+    np.testing.assert_array_equal(reader.read_step(7, step), reader.fields[7])
+    reader.close()
+
+
+def test_a_step_cut_short_is_an_error(data_dir, tmp_path):
+    path = tmp_path / "2016.h5"
+    shutil.copy(data_dir / "train" / "2016.h5", path)
+    reader = StepReader(path)
+    reader.offsets[3] = path.stat().st_size - 100  # as if the file ended inside step 3
+    with pytest.raises(OSError, match="step 3 is cut short .*truncated"):
+        reader.read_step(3, np.empty(reader.step_shape, np.float32))
+    reader.close()
+
+
+def test_batch_memory_is_recycled_only_when_nothing_holds_it():
+    memory = BatchMemory()
+    first = memory.take((2, 3))
+    pointer = first.data_ptr()
+    assert memory.take((2, 3)).data_ptr() != pointer  # held by `first`: a second tensor
+    del first
+    assert memory.take((2, 3)).data_ptr() == pointer  # released: recycled
+    assert memory.take((4, 3)).data_ptr() != pointer  # another shape
+
+    holders = {
+        "a view": lambda t: t[1:],
+        "a numpy array": lambda t: t.numpy(),
+        "autograd": lambda t: (t @ torch.ones(3, 1, requires_grad=True)).sum(),  # saves t for backward
+    }
+    for name, hold in holders.items():
+        memory = BatchMemory()
+        batch = memory.take((2, 3))
+        pointer = batch.data_ptr()
+        kept = hold(batch)
+        del batch
+        assert memory.take((2, 3)).data_ptr() != pointer, name
+        del kept
+        assert memory.take((2, 3)).data_ptr() == pointer, name
+
+
+def test_batch_memory_never_recycles_shared_memory_or_without_use_counts(monkeypatch):
+    memory = BatchMemory()
+    batch = memory.take((2, 3))
+    pointer = batch.share_memory_().data_ptr()  # e.g. put on a multiprocessing queue
+    del batch
+    assert memory.take((2, 3)).data_ptr() != pointer
+    monkeypatch.setattr(batch_memory, "_use_count", None)  # a torch without the private counter
+    memory = BatchMemory()
+    a = memory.take((2, 3))
+    pointer = a.data_ptr()
+    del a
+    b = memory.take((2, 3))
+    assert memory.made == 2 and memory.reused == 0 and b.shape == (2, 3)
+    assert not memory._kept
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_kept_by_the_consumer_stay_intact(workers, cfg_factory):
+    """Recycling must not overwrite a batch that is still held: collect a whole epoch, then
+    compare every batch with the per-sample path (with workers, batches come through shared
+    memory and are never recycled)."""
+    cfg = cfg_factory(num_data_workers=workers)
+    loader, ds, sampler = get_data_loader(cfg, "train", 4, train=True)
+    sampler.set_epoch(0)
+    kept = list(loader)
+    order = list(sampler)
+    for b, batch in enumerate(kept):
+        assert_same_bits(batch, per_sample(ds, order[4 * b : 4 * (b + 1)]))
+
+
+def test_the_training_process_recycles_its_batches(cfg_factory):
+    loader, ds, sampler = get_data_loader(cfg_factory(), "train", 4, train=True)
+    sampler.set_epoch(0)
+    for _batch in loader:  # each batch is dropped when the next one is made
+        pass
+    batches = sampler.batches_per_epoch()
+    assert ds._memory.made <= 4 and ds._memory.reused >= 2 * batches - 4
+
+
+def test_loader_workers_do_not_recycle(cfg_factory, monkeypatch):
+    """A worker's batches leave through shared memory, where the worker cannot see their users."""
+    from utils import data_loader
+
+    ds = ERA5Dataset(cfg_factory(), "train")
+    monkeypatch.setattr(data_loader, "get_worker_info", lambda: object())  # as inside a worker
+    for _ in range(3):
+        ds.__getitems__([0, 1])
+    assert ds._memory.made == ds._memory.reused == 0
