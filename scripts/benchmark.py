@@ -274,7 +274,7 @@ def dali_available() -> bool:
     return True
 
 
-LOADER_REPEATS = 5  # alternating loader / raw passes of the loader-alone measurement
+LOADER_REPEATS = 9  # alternating loader / raw passes of the loader-alone measurement
 
 
 def loader_alone(trainer: Trainer, batches: int, repeats: int = LOADER_REPEATS) -> dict[str, Any]:

@@ -150,12 +150,15 @@ def test_the_training_process_recycles_its_batches(cfg_factory):
     assert ds._memory.made <= 4 and ds._memory.reused >= 2 * batches - 4
 
 
-def test_loader_workers_do_not_recycle(cfg_factory, monkeypatch):
-    """A worker's batches leave through shared memory, where the worker cannot see their users."""
+def test_loader_workers_make_batches_in_shared_memory_and_do_not_recycle(cfg_factory, monkeypatch):
+    """A worker's batches leave through shared memory (made there, they are not copied into it),
+    where the worker cannot see their users."""
     from utils import data_loader
 
     ds = ERA5Dataset(cfg_factory(), "train")
     monkeypatch.setattr(data_loader, "get_worker_info", lambda: object())  # as inside a worker
     for _ in range(3):
-        ds.__getitems__([0, 1])
+        batch = ds.__getitems__([0, 1])
+        assert all(t.is_shared() for t in batch)
+    assert_same_bits(batch, per_sample(ds, [0, 1]))
     assert ds._memory.made == ds._memory.reused == 0

@@ -16,11 +16,9 @@ process that consumes the batches.
 
 from __future__ import annotations
 
-import logging
+import math
 
 import torch
-
-log = logging.getLogger(__name__)
 
 # torch's count of references to a storage (tensors and views, saved ones included); private,
 # so its absence turns recycling off rather than failing
@@ -61,3 +59,11 @@ class BatchMemory:
             del self._kept[: -self.keep]
         self.made += 1
         return tensor.view(shape)
+
+
+def shared_empty(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised float32 tensor in shared memory, for a batch a loader worker makes:
+    sending it to the training process then moves no bytes (a tensor in ordinary memory is
+    first copied into shared memory), as the DataLoader's own collate does in workers."""
+    storage = torch.UntypedStorage._new_shared(4 * math.prod(shape))
+    return torch.empty(0).set_(storage, 0, shape)

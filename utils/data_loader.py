@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from utils.batch_memory import BatchMemory
+from utils.batch_memory import BatchMemory, shared_empty
 from utils.config import Config
 from utils.era5 import STATS_FILES
 from utils.h5_steps import StepReader
@@ -184,8 +184,8 @@ class ERA5Dataset(Dataset):
         shapes = (len(indices), len(self.means), h, w), (len(indices), self.n_out, h, w)
         if get_worker_info() is None:
             inp, tar = (self._memory.take(shape) for shape in shapes)
-        else:  # the batch leaves this process through shared memory: never recycled
-            inp, tar = (torch.empty(shape) for shape in shapes)
+        else:  # a worker: the batch leaves through shared memory, where it is never recycled
+            inp, tar = (shared_empty(shape) for shape in shapes)
         for i, index in enumerate(indices):
             file_no, t = self.locate(index)
             reader = self._reader(file_no)
