@@ -76,6 +76,18 @@ def test_reader_falls_back_when_offsets_disagree(data_dir, monkeypatch, caplog):
     reader.close()
 
 
+def test_reader_without_chunk_queries_reads_through_h5py(data_dir, monkeypatch):
+    def old_h5py(fields):
+        raise AttributeError("'h5py.h5d.DatasetID' object has no attribute 'get_chunk_info_by_coord'")
+
+    monkeypatch.setattr(h5_steps, "plain_step_offsets", old_h5py)
+    reader = StepReader(data_dir / "train" / "2016.h5")
+    step = np.empty(reader.step_shape, np.float32)
+    assert not reader.plain
+    np.testing.assert_array_equal(reader.read_step(5, step), reader.fields[5])
+    reader.close()
+
+
 def test_a_step_cut_short_is_an_error(data_dir, tmp_path):
     path = tmp_path / "2016.h5"
     shutil.copy(data_dir / "train" / "2016.h5", path)

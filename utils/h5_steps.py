@@ -70,7 +70,11 @@ class StepReader:
         self._file = h5py.File(self.path, "r")
         self.fields: h5py.Dataset = self._file["fields"]
         self.step_shape: tuple[int, int, int] = tuple(self.fields.shape[1:])
-        self.offsets = plain_step_offsets(self.fields)
+        try:
+            self.offsets = plain_step_offsets(self.fields)
+        except AttributeError:  # h5py built against an HDF5 older than 1.10.5: no chunk queries
+            log.info("%s: this h5py cannot locate chunks; reading through h5py", self.path)
+            self.offsets = None
         self._fd: int | None = None
         if self.offsets is not None:
             self._fd = os.open(self.path, os.O_RDONLY)
