@@ -29,9 +29,23 @@ def rewrite(src_dir, dst_dir, **create_kwargs):
 
 
 def per_sample(ds, indices):
-    """The loader's batch as the per-sample path makes it (the reference values)."""
+    """The batch as the per-sample path (``__getitem__``) makes it."""
     pairs = [ds[i] for i in indices]
     return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+def reference(ds, indices):
+    """The batch made without the project's readers: h5py slicing, then (x - mean) / std in
+    float32 (the operations the loader has always done, in this order)."""
+    h, w = ds.img_size
+    inputs, targets = [], []
+    for index in indices:
+        file_no, t = ds.locate(index)
+        with h5py.File(ds.files[file_no].path, "r") as f:
+            x, y = f["fields"][t, :, :h, :w], f["fields"][t + ds.dt, : ds.n_out, :h, :w]
+        inputs.append((x - ds.means) / ds.stds)
+        targets.append((y - ds.means[: ds.n_out]) / ds.stds[: ds.n_out])
+    return torch.from_numpy(np.stack(inputs)), torch.from_numpy(np.stack(targets))
 
 
 def assert_same_bits(batch, expected):
@@ -54,7 +68,9 @@ def test_every_layout_gives_the_per_sample_bits(layout, data_dir, tmp_path, cfg_
     root = data_dir if not kwargs else rewrite(data_dir, tmp_path / "copy", **kwargs)
     ds = ERA5Dataset(cfg_factory(data_dir=str(root)), "train")
     indices = [0, 38, 39, 5, 77]  # both years, the last sample of the first
-    assert_same_bits(ds.__getitems__(indices), per_sample(ds, indices))
+    expected = reference(ds, indices)
+    assert_same_bits(ds.__getitems__(indices), expected)
+    assert_same_bits(per_sample(ds, indices), expected)
     assert ds._reader(0).plain is plain
 
 
@@ -62,7 +78,9 @@ def test_every_layout_gives_the_per_sample_bits(layout, data_dir, tmp_path, cfg_
 def test_fewer_target_channels_and_crops(overrides, cfg_factory):
     ds = ERA5Dataset(cfg_factory(**overrides), "valid")
     indices = [3, 0, 17]
-    assert_same_bits(ds.__getitems__(indices), per_sample(ds, indices))
+    expected = reference(ds, indices)
+    assert_same_bits(ds.__getitems__(indices), expected)
+    assert_same_bits(per_sample(ds, indices), expected)
 
 
 def test_reader_falls_back_when_offsets_disagree(data_dir, monkeypatch, caplog):
@@ -150,7 +168,7 @@ def test_batches_kept_by_the_consumer_stay_intact(workers, cfg_factory):
     kept = list(loader)
     order = list(sampler)
     for b, batch in enumerate(kept):
-        assert_same_bits(batch, per_sample(ds, order[4 * b : 4 * (b + 1)]))
+        assert_same_bits(batch, reference(ds, order[4 * b : 4 * (b + 1)]))
 
 
 def test_the_training_process_recycles_its_batches(cfg_factory):
@@ -172,5 +190,5 @@ def test_loader_workers_make_batches_in_shared_memory_and_do_not_recycle(cfg_fac
     for _ in range(3):
         batch = ds.__getitems__([0, 1])
         assert all(t.is_shared() for t in batch)
-    assert_same_bits(batch, per_sample(ds, [0, 1]))
+    assert_same_bits(batch, reference(ds, [0, 1]))
     assert ds._memory.made == ds._memory.reused == 0

@@ -168,9 +168,8 @@ class ERA5Dataset(Dataset):
     def read_raw(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Un-normalised (fields[t], fields[t + dt]) cropped to img_size, float32."""
         file_no, t = self.locate(index)
-        h, w = self.img_size
-        fields = self._reader(file_no).fields
-        return fields[t, :, :h, :w], fields[t + self.dt, :, :h, :w]
+        reader = self._reader(file_no)
+        return reader.crop(t, *self.img_size), reader.crop(t + self.dt, *self.img_size)
 
     def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole batch at once (the DataLoader calls this instead of ``__getitem__`` per

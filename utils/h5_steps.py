@@ -100,6 +100,13 @@ class StepReader:
                           f"is truncated, re-copy or regenerate it")
         return out
 
+    def crop(self, t: int, h: int, w: int) -> np.ndarray:
+        """A new array holding ``fields[t, :, :h, :w]`` (copied by byte offset when it is the
+        whole step and the steps are plain)."""
+        if self.plain and (h, w) == self.step_shape[1:]:
+            return self.read_step(t, np.empty(self.step_shape, np.float32))
+        return self.fields[t, :, :h, :w]
+
     def _agrees_with_h5py(self) -> bool:
         step = np.empty(self.step_shape, np.float32)
         for t in {0, len(self.offsets) - 1}:
