@@ -552,7 +552,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile_steps", type=int, default=2,
                    help="extra steps for the forward/backward/optimizer breakdown (torch.profiler "
                    "on CPU, CUDA events on a GPU)")
-    p.add_argument("--loader_batches", type=int, default=8, help="batches for the loader-alone measurement")
+    p.add_argument("--loader_batches", type=int, default=8,
+                   help=f"batches per pass of the loader-alone measurement ({LOADER_REPEATS} passes, "
+                   "each followed by a plain h5py read of its samples)")
     p.add_argument("--workers", type=int, default=2, help="DataLoader / DALI workers from +workers on")
     p.add_argument("--amp", choices=("bf16", "fp16"), default="bf16", help="dtype of the +AMP rung")
     p.add_argument("--rungs", default=",".join(RUNG_NAMES), help="comma-separated subset of: "

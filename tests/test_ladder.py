@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -208,6 +209,9 @@ def test_benchmark_smoke_writes_every_field(cfg_factory, tmp_path, capsys):
         assert all(r["breakdown_ms"][k] > 0 for k in ("forward", "backward", "optimizer"))
         assert r["peak_memory_bytes"] > 0
         assert r["loader"]["samples_per_sec"] > 0 and r["loader"]["raw_h5py_samples_per_sec"] > 0
+        ratios = r["loader"]["ratios"]  # one per loader pass, each against its own raw pass
+        assert len(ratios) == benchmark.LOADER_REPEATS
+        assert r["loader"]["ratio_to_raw"] == statistics.median(ratios)
     assert report["rungs"][2]["settings"]["data_loader_config"] == "dali"
     assert report["rungs"][3]["settings"]["amp_mode"] == "bf16"
     assert report["bare"][0]["samples_per_sec"] > 0

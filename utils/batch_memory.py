@@ -1,9 +1,9 @@
 """Batch tensors that are recycled once nothing outside the pool holds them.
 
 A fresh batch tensor is fresh memory: the kernel maps and zeroes every 4 KB page on its
-first write, which for a 21 MB batch of the `small` config cost about as much as reading
-its samples (measured on a 2-core VM: a loader writing into fresh batches reached 0.71-0.85x
-of a plain h5py read, the same loader writing into recycled ones 0.97x). A plain read loop
+first write, which for a 21 MB batch of the `small` config is a sizeable part of reading it
+(measured on a 2-core VM: prototypes of this loader writing into fresh batches reached
+0.71-0.85x of a plain h5py read, writing into recycled ones 0.97x). A plain read loop
 never pays this, because the allocator hands it back the block it has just freed.
 
 The pool keeps the tensors it made and hands out views of them. Every tensor that uses the

@@ -90,10 +90,10 @@ class StepReader:
         return self.offsets is not None
 
     def read_step(self, t: int, out: np.ndarray) -> np.ndarray:
-        """``fields[t]`` into ``out`` (a C-contiguous float32 array of ``step_shape``)."""
+        """``fields[t]`` into ``out`` (a C-contiguous float32 array of ``step_shape``), copied by
+        byte offset: only for plain files (other files are read with ``fields[...]``)."""
         if self.offsets is None:
-            self.fields.read_direct(out, np.s_[t])
-            return out
+            raise ValueError(f"{self.path}: steps are not stored plainly; read them through h5py")
         n = _pread_into(self._fd, out, int(self.offsets[t]))
         if n != out.nbytes:
             raise OSError(f"{self.path}: step {t} is cut short ({n} of {out.nbytes} bytes); the file "
