@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distributed.mappings import _all_gather
+from distributed.mappings import all_gather_along
 from distributed.mesh import ParallelMesh
 from distributed.sharding import full, like, local_optimizer
 from distributed.tags import ParamSpec, spec
@@ -38,7 +38,7 @@ def gather_full(t: torch.Tensor, p_spec: ParamSpec, mesh: ParallelMesh) -> torch
     if p_spec.shard_dim is None or tp == 1:
         return t.detach().clone()
     sizes = [t.shape[p_spec.shard_dim]] * tp
-    return _all_gather(t.detach(), p_spec.shard_dim, mesh.group("tp"), sizes)
+    return all_gather_along(t.detach(), p_spec.shard_dim, mesh.group("tp"), sizes)
 
 
 def check_names(expected: Iterable[str], state: dict[str, torch.Tensor]) -> None:

@@ -68,7 +68,7 @@ def _split(x: torch.Tensor, dim: int, group, sizes: list[int]) -> torch.Tensor:
     return x.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
 
 
-def _all_gather(x: torch.Tensor, dim: int, group, sizes: list[int]) -> torch.Tensor:
+def all_gather_along(x: torch.Tensor, dim: int, group, sizes: list[int]) -> torch.Tensor:
     """Concatenate every rank's slice along ``dim``. gloo and NCCL all-gather equal shapes
     only, so uneven slices are padded to the longest and trimmed after."""
     world = _world(group)
@@ -121,14 +121,14 @@ class _ScatterTo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group, ctx.sizes), None, None, None
+        return all_gather_along(grad, ctx.dim, ctx.group, ctx.sizes), None, None, None
 
 
 class _GatherFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, sizes):
         ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
-        return _all_gather(x, dim, group, sizes)
+        return all_gather_along(x, dim, group, sizes)
 
     @staticmethod
     def backward(ctx, grad):
@@ -139,7 +139,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, sizes):
         ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
-        return _all_gather(x, dim, group, sizes)
+        return all_gather_along(x, dim, group, sizes)
 
     @staticmethod
     def backward(ctx, grad):

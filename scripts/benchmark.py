@@ -95,6 +95,9 @@ class TimedBatches:
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.inner.set_epoch(epoch, start_batch)
 
+    def give_back(self, inp: torch.Tensor, tar: torch.Tensor) -> None:
+        self.inner.give_back(inp, tar)
+
     def __iter__(self):
         it = iter(self.inner)
         while True:
@@ -293,7 +296,12 @@ def loader_alone(trainer: Trainer, batches: int, repeats: int = LOADER_REPEATS) 
     loader_rates, raw_rates = [], []
     for k in range(repeats):
         t0 = time.perf_counter()
-        n = sum(next(it)[0].shape[0] for _ in range(batches))
+        n = 0
+        for _ in range(batches):
+            batch = next(it)
+            n += batch[0].shape[0]
+            data.give_back(*batch)  # as the training loop does after its step
+        del batch
         loader_rates.append(n / (time.perf_counter() - t0))
         raw_rates.append(raw.rate(order[k * n : (k + 1) * n]))
     it.close()

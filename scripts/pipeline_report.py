@@ -2,7 +2,7 @@
 """The pipeline bubble, made visible: when each stage ran each micro-batch's forward and
 backward, for GPipe, 1F1B, interleaved 1F1B and zero bubble, and what micro-batches cost in memory.
 
-    python scripts/pipeline_report.py --config tiny_deep --out pipeline
+    python scripts/pipeline_report.py --config tiny_deep --out logs/pipeline
 
 Every measurement is a real training run (train_mp.py's loop, on CPU with gloo via torchrun,
 or on the GPUs there are) of ``--steps`` steps. Each rank records, in the last step, the start
@@ -211,7 +211,7 @@ def driver(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="training steps per run (the last is recorded)")
     p.add_argument("--batch", type=int, default=16, help="global batch")
     p.add_argument("--timeline", default="2:8", help="PP:M of the runs drawn in the picture")
-    p.add_argument("--out", type=Path, default=Path("pipeline"))
+    p.add_argument("--out", type=Path, default=Path("logs/pipeline"))
     p.add_argument("flags", nargs="*", help="more train_mp.py flags after --, e.g. -- --data_dir DIR")
     args = p.parse_args(argv)
     args.out = args.out.resolve()

@@ -4,7 +4,7 @@
     python train.py --config tiny_small --run_num sizes
     python train.py --config tiny_large --run_num sizes
     python scripts/plot_model_sizes.py --run_dirs logs/tiny_small/1GPU/sizes \\
-        example_logs/tiny/1GPU/demo logs/tiny_large/1GPU/sizes --out model_sizes.png
+        example_logs/tiny/1GPU/demo logs/tiny_large/1GPU/sizes --out logs/plots/model_sizes.png
 
 For each run: its parameters (the model its config.yaml describes), and from the last line
 of its metrics.jsonl the latitude-weighted RMSE averaged over the channels, next to
@@ -70,7 +70,7 @@ def draw(runs: list[dict[str, Any]]) -> plt.Figure:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run_dirs", type=Path, nargs="+", required=True, help="finished run directories")
-    p.add_argument("--out", type=Path, default=Path("model_sizes.png"))
+    p.add_argument("--out", type=Path, default=Path("logs/plots/model_sizes.png"))
     args = p.parse_args(argv)
     try:
         runs = [run_summary(d) for d in args.run_dirs]

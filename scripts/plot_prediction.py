@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Plot target versus prediction of one validation sample from a run's checkpoint.
 
-    python scripts/plot_prediction.py --run_dir logs/tiny/1GPU/00 --out docs/img/prediction_t2m.png
+    python scripts/plot_prediction.py --run_dir logs/tiny/1GPU/00 --out logs/plots/prediction_t2m.png
 
 Reads the run's resolved config.yaml and checkpoint.pt, predicts validation sample
 --sample, and writes a PNG of the target, the prediction and their difference for one

@@ -2,7 +2,7 @@
 """Draw a torch.profiler trace of training steps as a timeline picture.
 
     python train.py --config tiny_short --run_num profile --profile --profile_epoch 1 --profile_num_steps 4
-    python scripts/plot_profile.py --run_dir logs/tiny_short/1GPU/profile --out profile.png
+    python scripts/plot_profile.py --run_dir logs/tiny_short/1GPU/profile --out logs/plots/profile.png
 
 Rows, top to bottom, for every thread that ran the trainer's ranges: the steps (and the gaps
 between them, where the training process waited for the next batch), the phases inside each
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--run_dir", type=Path, help="a run directory: its newest trace in profile/")
     source.add_argument("--trace", type=Path, help="a .pt.trace.json file")
-    p.add_argument("--out", type=Path, default=Path("profile.png"))
+    p.add_argument("--out", type=Path, default=Path("logs/plots/profile.png"))
     args = p.parse_args(argv)
     try:
         trace = args.trace or newest_trace(args.run_dir)

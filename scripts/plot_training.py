@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Plot how a run learned: losses per epoch, and the model's RMSE against persistence.
 
-    python scripts/plot_training.py --run_dir example_logs/tiny/1GPU/demo --out docs/img/demo_training.png
+    python scripts/plot_training.py --run_dir example_logs/tiny/1GPU/demo --out logs/plots/demo_training.png
 
 Reads RUN_DIR/metrics.jsonl (one line per epoch, written by train.py) and writes one PNG:
 training and validation loss against the optimizer step, and the latitude-weighted RMSE of a

@@ -3,7 +3,7 @@
 and fsdp at 1, 2 and 4 ranks, activation memory with and without checkpointing, and which
 configurations fit on a 40 GB A100 on paper.
 
-    python scripts/sharding_report.py --config tiny_large --out sharding
+    python scripts/sharding_report.py --config tiny_large --out logs/sharding
 
 Every measurement is a real training run (train.py's loop, `--num_iters` steps, on CPU with
 gloo via torchrun, or on the GPUs there are). Memory per rank is rank 0's, from the run's
@@ -248,7 +248,7 @@ def driver(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=2, help="training steps per measurement")
     p.add_argument("--batch", type=int, default=8, help="global batch")
-    p.add_argument("--out", type=Path, default=Path("sharding"))
+    p.add_argument("--out", type=Path, default=Path("logs/sharding"))
     p.add_argument("--paper_configs", nargs="*", default=["base", "large", "xl"],
                    help="configs for the on-paper A100 table")
     p.add_argument("flags", nargs="*", help="more train.py flags after --, e.g. -- --data_dir DIR")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.conftest import TEST_IMG
-from utils import batch_memory, h5_steps
+from utils import h5_steps
 from utils.batch_memory import BatchMemory
-from utils.data_loader import ERA5Dataset, get_data_loader
+from utils.data_loader import Batches, ERA5Dataset, get_data_loader
 from utils.h5_steps import StepReader
 
 
@@ -124,45 +124,39 @@ def test_a_step_cut_short_is_an_error(data_dir, tmp_path):
     reader.close()
 
 
-def test_batch_memory_is_recycled_only_when_nothing_holds_it():
+def test_batch_memory_is_reused_only_when_given_back():
     memory = BatchMemory()
     first = memory.take((2, 3))
     pointer = first.data_ptr()
-    assert memory.take((2, 3)).data_ptr() != pointer  # held by `first`: a second tensor
-    del first
-    assert memory.take((2, 3)).data_ptr() == pointer  # released: recycled
+    assert memory.take((2, 3)).data_ptr() != pointer  # `first` is lent out: a second tensor
+    memory.give_back(first)
+    assert memory.take((2, 3)).data_ptr() == pointer  # given back: reused
+    assert memory.take((2, 3)).data_ptr() != pointer  # lent out again
     assert memory.take((4, 3)).data_ptr() != pointer  # another shape
-
-    holders = {
-        "a view": lambda t: t[1:],
-        "a numpy array": lambda t: t.numpy(),
-        "autograd": lambda t: (t @ torch.ones(3, 1, requires_grad=True)).sum(),  # saves t for backward
-    }
-    for name, hold in holders.items():
-        memory = BatchMemory()
-        batch = memory.take((2, 3))
-        pointer = batch.data_ptr()
-        kept = hold(batch)
-        del batch
-        assert memory.take((2, 3)).data_ptr() != pointer, name
-        del kept
-        assert memory.take((2, 3)).data_ptr() == pointer, name
+    assert memory.reused == 1
 
 
-def test_batch_memory_never_recycles_shared_memory_or_without_use_counts(monkeypatch):
+def test_batch_memory_ignores_what_it_did_not_lend():
     memory = BatchMemory()
     batch = memory.take((2, 3))
-    pointer = batch.share_memory_().data_ptr()  # e.g. put on a multiprocessing queue
-    del batch
+    pointer = batch.data_ptr()
+    memory.give_back(batch[1:], batch.clone(), torch.empty(2, 3))  # a view, a copy, a stranger
     assert memory.take((2, 3)).data_ptr() != pointer
-    monkeypatch.setattr(batch_memory, "_use_count", None)  # a torch without the private counter
+    shared = memory.take((2, 3))
+    pointer = shared.share_memory_().data_ptr()  # e.g. put on a multiprocessing queue
+    memory.give_back(shared)
+    assert memory.take((2, 3)).data_ptr() != pointer
+
+
+def test_batch_memory_forgets_batches_that_are_never_given_back():
+    """A consumer that keeps its batches, or drops them without a word, loses nothing: the pool
+    holds only weak references, so a dropped batch is freed and none is handed out twice."""
     memory = BatchMemory()
-    a = memory.take((2, 3))
-    pointer = a.data_ptr()
-    del a
-    b = memory.take((2, 3))
-    assert memory.made == 2 and memory.reused == 0 and b.shape == (2, 3)
-    assert not memory._kept
+    kept = [memory.take((2, 3)) for _ in range(100)]
+    assert len({t.data_ptr() for t in kept}) == 100
+    del kept
+    memory.take((2, 3))
+    assert memory.reused == 0 and memory.made == 101 and len(memory._lent) == 1  # the dead forgotten
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -179,13 +173,24 @@ def test_batches_kept_by_the_consumer_stay_intact(workers, cfg_factory):
         assert_same_bits(batch, reference(ds, order[4 * b : 4 * (b + 1)]))
 
 
-def test_the_training_process_recycles_its_batches(cfg_factory):
+def test_the_training_process_reuses_the_batches_it_gives_back(cfg_factory):
     loader, ds, sampler = get_data_loader(cfg_factory(), "train", 4, train=True)
-    sampler.set_epoch(0)
-    for _batch in loader:  # each batch is dropped when the next one is made
-        pass
-    batches = sampler.batches_per_epoch()
-    assert ds._memory.made <= 4 and ds._memory.reused >= 2 * batches - 4
+    batches = Batches(loader, sampler)
+    batches.set_epoch(0)
+    for batch in batches:
+        batches.give_back(*batch)
+    n = sampler.batches_per_epoch()
+    assert ds._memory.made == 2 and ds._memory.reused == 2 * n - 2
+
+
+def test_the_trainer_gives_its_training_batches_back(cfg_factory, tmp_path):
+    from training.context import RunContext
+    from training.trainer import Trainer
+
+    trainer = Trainer(cfg_factory(num_iters=3), RunContext(torch.device("cpu"), tmp_path / "run"), 4)
+    trainer.train_epoch(0, 0)
+    memory = trainer.train_data.loader.dataset._memory
+    assert memory.made == 2 and memory.reused == 6  # 4 batches read (the 4th ends the loop), 8 tensors
 
 
 def test_loader_workers_make_batches_in_shared_memory_and_do_not_recycle(cfg_factory, monkeypatch):

@@ -83,17 +83,34 @@ def test_the_lock_of_a_dead_run_is_taken_over(launch, tmp_path):
     assert code == 0 and "took over the run directory's lock from pid 999999 on somehost" in out
 
 
-def test_a_rerun_with_other_settings_changes_nothing(launch, tmp_path):
-    assert launch(checkpoint_every=2, num_iters=2)[0] == 0
+def test_a_named_rerun_with_other_settings_changes_nothing(launch, tmp_path):
+    assert launch(checkpoint_every=2, num_iters=2, run_num="00")[0] == 0
     folder = run_dir(tmp_path / "logs", 1)
     before = snapshot(folder)
-    code, err, _ = launch(lr=0.002, seed=3)
+    code, err, _ = launch(lr=0.002, seed=3, run_num="00")
     assert code == 2 and "holds a checkpoint (step 2) of a run with other settings" in err
     assert "lr 0.001 there, 0.002 now" in err and "seed 0 there, 3 now" in err
     assert snapshot(folder) == before
     code, err, _ = launch(data_dir="/nonexistent/era5")  # may change, but fails: still nothing written
     assert code == 2 and snapshot(folder) == before
     assert launch(num_data_workers=1)[0] == 0  # the loader may change: it resumes
+
+
+def test_an_unnamed_run_with_other_settings_goes_to_the_next_free_number(launch, tmp_path):
+    """A learner who gives no --run_num is never refused for a clash of settings; rerunning
+    the same command finds its folder again (resumes, or does nothing when finished)."""
+    assert launch(num_iters=2)[0] == 0
+    first = run_dir(tmp_path / "logs", 1)
+    before = snapshot(first)
+    code, _, out = launch(num_iters=2, lr=0.002)
+    second = run_dir(tmp_path / "logs", 1, "01")
+    assert code == 0 and f"{first} holds a run with other settings; this run goes to {second}" in out
+    assert snapshot(first) == before and (second / "checkpoint.pt").exists()
+    code, _, out = launch(num_iters=2, seed=3)  # 00 and 01 both hold other settings
+    assert code == 0 and f"this run goes to {run_dir(tmp_path / 'logs', 1, '02')}" in out
+    code, _, out = launch(num_iters=2, lr=0.002)  # the second command again: its folder, finished
+    assert code == 0 and f"{second} already took all 2 steps; nothing to do" in out
+    assert len(list((tmp_path / "logs" / "tiny" / "1GPU").iterdir())) == 3
 
 
 def test_a_finished_run_rerun_changes_nothing(launch, tmp_path):

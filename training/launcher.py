@@ -35,6 +35,8 @@ from utils.logging_utils import setup_logging
 
 log = logging.getLogger(__name__)
 
+DEFAULT_RUN_NUM = "00"
+
 
 def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
     """argparse type and extra options for a Config field's type hint."""
@@ -50,7 +52,7 @@ def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per config key, in argument groups named as in Config."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
+    groups: dict[str, Any] = {}  # argument groups by name
     hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         name = f.metadata.get("group", "other")
@@ -68,7 +70,9 @@ def arg_parser(description: str = "") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--yaml_config", default=str(DEFAULT_YAML), help="YAML file of configurations")
     p.add_argument("--config", default="base", help="configuration name in the YAML file")
-    p.add_argument("--run_num", default="00", help="run name inside the config's log folder")
+    p.add_argument("--run_num", default=None,
+                   help=f"run name inside the config's log folder (default {DEFAULT_RUN_NUM}; when that "
+                        f"folder holds a run with other settings, the next free number)")
     add_config_flags(p)
     return p
 
@@ -113,7 +117,7 @@ def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunC
     device = dev.pick_device(env.local_rank, env.local_world_size)
     init_distributed(env, device, cfg.collective_timeout_s, cfg.rendezvous_timeout_s)
     mesh = meshes.build_mesh(sizes, cfg.parallel_order, device.type)
-    run_dir = run_dir_for(cfg, args.config, args.run_num, mesh, model_parallel)
+    run_dir = run_dir_for(cfg, args.config, args.run_num or DEFAULT_RUN_NUM, mesh, model_parallel)
     ctx = RunContext(device=device, run_dir=run_dir, rank=env.rank, world_size=env.world_size,
                      local_rank=env.local_rank, mesh=mesh)
     local_batch = local_batch_size(cfg.global_batch_size, ctx.dp_size, cfg.local_batch_size)
@@ -132,9 +136,16 @@ def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description:
     setup_logging(parse_env().rank if _env_ok() else 0)
     lock = None
     try:
-        rundir.check_run_num(args.run_num)
+        if args.run_num is not None:
+            rundir.check_run_num(args.run_num)
         cfg, ctx, local_batch = set_up(args, model_parallel)
         rundir.check_can_create(ctx.run_dir)
+        if args.run_num is None:  # a learner who named no run: never refused for other settings
+            free = rundir.free_run_dir(ctx.run_dir, cfg)
+            if free != ctx.run_dir:
+                log.info("%s holds a run with other settings; this run goes to %s (choose the folder "
+                         "with --run_num)", ctx.run_dir, free)
+                ctx = dataclasses.replace(ctx, run_dir=free)
         previous = rundir.previous_run(ctx.run_dir)
         if previous is not None:
             rundir.check_same_run(previous, cfg, ctx.run_dir)

@@ -51,16 +51,34 @@ def previous_run(run_dir: Path) -> dict[str, Any] | None:
     return None if path is None else read_summary(path)
 
 
-def check_same_run(previous: dict[str, Any], cfg: Config, run_dir: Path) -> None:
-    """Settings that change the mathematics must be those of the checkpoint; the others (loader,
-    profiling, checkpoint interval, layout, num_iters to extend the run) may change."""
+def other_settings(previous: dict[str, Any], cfg: Config) -> list[str]:
+    """The settings that change the mathematics and differ from the checkpoint's; the others
+    (loader, profiling, checkpoint interval, layout, num_iters to extend the run) may change."""
     now = cfg.to_dict()
-    differ = [f"{key} {value!r} there, {now[key]!r} now" for key, value in previous["config"].items()
-              if key in now and key not in MAY_CHANGE_ON_RESUME and _norm(value) != _norm(now[key])]
+    return [f"{key} {value!r} there, {now[key]!r} now" for key, value in previous["config"].items()
+            if key in now and key not in MAY_CHANGE_ON_RESUME and _norm(value) != _norm(now[key])]
+
+
+def check_same_run(previous: dict[str, Any], cfg: Config, run_dir: Path) -> None:
+    """A run named with --run_num continues the run in its folder, or is refused."""
+    differ = other_settings(previous, cfg)
     if differ:
         raise ValueError(f"{run_dir} holds a checkpoint (step {previous['step']}) of a run with other "
                          f"settings: {'; '.join(differ)}. Continue it with its settings, or start a "
                          f"new run with another --run_num")
+
+
+def free_run_dir(run_dir: Path, cfg: Config) -> Path:
+    """For a run that named no --run_num: ``run_dir`` if it is empty or holds this run (same
+    settings), else the first numbered folder beside it (01, 02, ...) that is. Rerunning the
+    same command then finds the same folder again, and resumes there."""
+    candidate, number = run_dir, 0
+    while True:
+        previous = previous_run(candidate)
+        if previous is None or not other_settings(previous, cfg):
+            return candidate
+        number += 1
+        candidate = run_dir.with_name(f"{number:02d}")
 
 
 def _norm(value: Any) -> Any:

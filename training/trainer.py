@@ -157,16 +157,18 @@ class Trainer:
         self.model.train()
         self.train_data.set_epoch(epoch, start_batch)
         done = 0
-        for inp, tar in self.train_data:
+        for batch in self.train_data:  # (input, target): (B, C, H, W) each
             if self.step >= self.cfg.num_iters:
                 break
             with self.profiling.step(epoch, start_batch + done, self.step), \
                     dev.nvtx_range(f"step {self.step}"):
                 with dev.nvtx_range(f"data copy in {self.step}"):
-                    inp, tar = self.to_device(inp, tar)
+                    inp, tar = self.to_device(*batch)
                 with reporting.compile_notice(self.device, self.cfg.enable_jit and
                                               self.step == self._steps_at_start):
                     self.epoch_loss += self.train_step(inp, tar)
+            del inp, tar
+            self.train_data.give_back(*batch)  # the step is over: the loader may reuse its memory
             self.step += 1
             self.epoch_steps += 1
             done += 1

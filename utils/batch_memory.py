@@ -1,4 +1,4 @@
-"""Batch tensors that are recycled once nothing outside the pool holds them.
+"""Batch tensors that the training loop hands back to the loader for reuse.
 
 A fresh batch tensor is fresh memory: the kernel maps and zeroes every 4 KB page on its
 first write, which for a 21 MB batch of the `small` config is a sizeable part of reading it
@@ -6,64 +6,65 @@ first write, which for a 21 MB batch of the `small` config is a sizeable part of
 0.71-0.85x of a plain h5py read, writing into recycled ones 0.97x). A plain read loop
 never pays this, because the allocator hands it back the block it has just freed.
 
-The pool keeps the tensors it made and hands out views of them. Every tensor that uses the
-memory (the view handed out, views of it, a tensor autograd saved for backward, a numpy
-array over it) holds a reference to the same storage, so the storage's use count says
-whether anything outside the pool still needs it. Batches that leave the process (loader
-workers send theirs through shared memory) must never be recycled: the pool is only for the
-process that consumes the batches.
+Only the consumer knows when a batch is no longer needed, so it says so: the loader lends
+a batch with ``take``, and the training loop calls ``give_back`` once its step is over (the
+forward pass, the backward that read the saved tensors and the optimizer step are all
+done). A batch that is never given back is never reused: the pool keeps only a weak
+reference to it, and it is freed as usual when its last user lets go. Batches that leave
+the process (loader workers send theirs through shared memory) are not lent from here.
 """
 
 from __future__ import annotations
 
-import math
+import weakref
 
 import torch
 
-# torch's count of references to a storage (tensors and views, saved ones included); private,
-# so its absence turns recycling off rather than failing
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def storage_users(tensor: torch.Tensor) -> int | None:
-    """How many references torch counts to ``tensor``'s storage (None: cannot tell)."""
-    if _use_count is None:
-        return None
-    return _use_count(tensor.untyped_storage()._cdata)
-
 
 class BatchMemory:
-    """Float32 CPU tensors of a few shapes, reused when free.
+    """Float32 CPU tensors of a few shapes, lent out and given back.
 
-    ``take(shape)`` returns a view of a kept tensor of that shape that nothing else uses, or
-    of a new one. At most ``keep`` tensors are kept; past that the oldest is forgotten (its
-    memory is freed once its users let go of it).
+    ``take(shape)`` returns a tensor of that shape that was given back earlier, or a new one.
+    ``give_back(tensor)`` returns a tensor that ``take`` lent (other tensors are ignored); at
+    most ``keep`` given-back tensors wait for reuse.
     """
 
     def __init__(self, keep: int = 4) -> None:
         self.keep = keep
-        # (tensor, the use count it has when only the pool holds it)
-        self._kept: list[tuple[torch.Tensor, int]] = []
+        self._free: list[torch.Tensor] = []
+        # data pointer -> weak reference to the tensor lent out from it
+        self._lent: dict[int, weakref.ref[torch.Tensor]] = {}
         self.reused = self.made = 0
 
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:
         shape = tuple(shape)
-        for tensor, idle in self._kept:
-            if tuple(tensor.shape) == shape and storage_users(tensor) == idle and not tensor.is_shared():
+        for i, tensor in enumerate(self._free):
+            if tuple(tensor.shape) == shape:
+                del self._free[i]
                 self.reused += 1
-                return tensor.view(shape)
-        tensor = torch.empty(shape)
-        idle = storage_users(tensor)
-        if idle is not None:
-            self._kept.append((tensor, idle))
-            del self._kept[: -self.keep]
-        self.made += 1
-        return tensor.view(shape)
+                break
+        else:
+            tensor = torch.empty(shape)
+            self.made += 1
+        if len(self._lent) > 64:  # batches never given back (validation's): forget the dead ones
+            self._lent = {ptr: ref for ptr, ref in self._lent.items() if ref() is not None}
+        self._lent[tensor.data_ptr()] = weakref.ref(tensor)
+        return tensor
+
+    def give_back(self, *tensors: torch.Tensor) -> None:
+        """The caller no longer uses these tensors (nor views of them)."""
+        for tensor in tensors:
+            ref = self._lent.pop(tensor.data_ptr(), None)
+            lent = None if ref is None else ref()
+            if lent is None or lent.shape != tensor.shape or lent.is_shared():
+                continue  # not one of ours (a view, a copy, a pinned or shared tensor)
+            self._free.append(lent)
+            del self._free[: -self.keep]
 
 
 def shared_empty(shape: tuple[int, ...]) -> torch.Tensor:
-    """An uninitialised float32 tensor in shared memory, for a batch a loader worker makes:
-    sending it to the training process then moves no bytes (a tensor in ordinary memory is
-    first copied into shared memory), as the DataLoader's own collate does in workers."""
-    storage = torch.UntypedStorage._new_shared(4 * math.prod(shape))
-    return torch.empty(0).set_(storage, 0, shape)
+    """An uninitialised float32 tensor in shared memory, for a batch a loader worker makes.
+    Sending a tensor to the training process moves it into shared memory first; moving it
+    before anything is written into it copies untouched pages, where moving the finished
+    batch would copy the whole batch again."""
+    return torch.empty(shape).share_memory_()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import atexit
 import logging
-import weakref
+import multiprocessing
+import signal
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ class ERA5Dataset(Dataset):
         normalised there while it is still in cache; the float32 operations are those of
         ``__getitem__`` (subtract the mean, then divide by the std), so the values are the
         same bits. In the process that trains (no loader workers), the batch tensors are
-        recycled once the training step has let go of them (utils/batch_memory.py).
+        reused once the training loop gives them back (``give_back``, utils/batch_memory.py).
         """
         h, w = self.img_size
         shapes = (len(indices), len(self.means), h, w), (len(indices), self.n_out, h, w)
@@ -96,6 +97,10 @@ class ERA5Dataset(Dataset):
             self._normalised_step(reader, t, inp[i])
             self._normalised_step(reader, t + self.dt, tar[i])
         return inp, tar
+
+    def give_back(self, *batch: torch.Tensor) -> None:
+        """The consumer is done with a batch of ``__getitems__``: its memory may be reused."""
+        self._memory.give_back(*batch)
 
     def _normalised_step(self, reader: StepReader, t: int, row: torch.Tensor) -> None:
         """row (c, h, w) <- (fields[t, :c, :h, :w] - mean) / std."""
@@ -145,29 +150,36 @@ class Batches:
     def __iter__(self):
         return iter(self.loader)
 
-
-# Loaders with worker processes, shut down before the interpreter's own exit handlers run.
-# Workers ignore the stop signals (utils/signals.py), so that a SIGTERM to the whole process
-# group lets the main process write its checkpoint; multiprocessing's exit handler stops
-# children with SIGTERM and then waits for them, which would wait forever. atexit runs the
-# last registered handler first, and this one is registered after torch imported
-# multiprocessing, so it runs first and asks the workers to finish as DataLoader itself does
-# when its iterator is garbage-collected.
-_LOADERS_WITH_WORKERS: weakref.WeakSet[DataLoader] = weakref.WeakSet()
-
-
-def shut_down_workers(loader: DataLoader) -> None:
-    """Stop a loader's worker processes now (they restart if the loader is iterated again)."""
-    iterator = getattr(loader, "_iterator", None)  # the persistent workers' iterator
-    if iterator is not None:
-        iterator._shutdown_workers()
-        loader._iterator = None
+    def give_back(self, inp: torch.Tensor, tar: torch.Tensor) -> None:
+        """The training loop is done with this batch: its memory may hold the next one. Batches
+        from loader workers arrive in shared memory and are not reused."""
+        if self.loader.num_workers == 0:
+            self.loader.dataset.give_back(inp, tar)
 
 
 @atexit.register
-def _shut_down_all_workers() -> None:
-    for loader in list(_LOADERS_WITH_WORKERS):
-        shut_down_workers(loader)
+def _stop_loader_workers() -> None:
+    """Stop loader worker processes before multiprocessing's own exit handler waits for them.
+
+    Workers ignore the stop signals (utils/signals.py), so that a SIGTERM to the whole process
+    group lets the training process write its checkpoint. multiprocessing's exit handler
+    ends daemonic children (DataLoader workers are) with SIGTERM and then waits for them,
+    which would wait forever. atexit runs the last registered handler first, and this one is
+    registered after torch imported multiprocessing, so it runs first and kills them (they
+    only read data). The DataLoader's SIGCHLD handler would report that as a failed worker:
+    at exit there is nothing left to report it to, so the default handler comes back first.
+    """
+    children = [p for p in multiprocessing.active_children() if p.daemon]
+    if not children:
+        return
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    except ValueError:  # not the main thread: leave the handler as it is
+        pass
+    for p in children:
+        p.kill()
+    for p in children:
+        p.join(timeout=10)
 
 
 def get_data_loader(cfg: Config, split: str, local_batch_size: int, train: bool,
@@ -199,6 +211,4 @@ def get_data_loader(cfg: Config, split: str, local_batch_size: int, train: bool,
         # dropout masks after a mid-epoch resume would differ from an uninterrupted run
         generator=torch.Generator().manual_seed(cfg.seed),
     )
-    if workers > 0:
-        _LOADERS_WITH_WORKERS.add(loader)
     return loader, dataset, sampler

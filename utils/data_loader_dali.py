@@ -165,6 +165,9 @@ class DALIBatches:
         feed_ndarray(dense, out, cuda_stream=dev.current_stream_handle(self.device))
         return out
 
+    def give_back(self, inp: torch.Tensor, tar: torch.Tensor) -> None:
+        """Nothing to reuse: every batch is a fresh copy of DALI's output."""
+
     def close(self) -> None:
         """Stop the pipeline and its worker processes."""
         if getattr(self, "pipe", None) is not None:  # __init__ may have failed before it
