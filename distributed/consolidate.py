@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from distributed.mappings import all_gather_along
 from distributed.mesh import ParallelMesh
 from distributed.sharding import full, like, local_optimizer
 from distributed.tags import ParamSpec, spec
@@ -37,6 +36,8 @@ def gather_full(t: torch.Tensor, p_spec: ParamSpec, mesh: ParallelMesh) -> torch
     tp = mesh.size("tp")
     if p_spec.shard_dim is None or tp == 1:
         return t.detach().clone()
+    from distributed.mappings import all_gather_along  # only with tensor parallelism
+
     sizes = [t.shape[p_spec.shard_dim]] * tp
     return all_gather_along(t.detach(), p_spec.shard_dim, mesh.group("tp"), sizes)
 

@@ -35,13 +35,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from distributed.layers import (
-    DistributedAttention,
-    DistributedMLP,
-    SequenceGather,
-    SequenceSplit,
-    sequence_sizes,
-)
 from distributed.mesh import ParallelMesh
 from distributed.sharding import apply_fsdp, fsdp_active
 from distributed.tags import tag_model, wrap_data_parallel
@@ -55,6 +48,15 @@ def apply_model_parallel(model: ViT, mesh: ParallelMesh) -> ViT:
     """Swap the serial layers for tensor/context-parallel ones (in place); tag every parameter."""
     if mesh.size("tp") == 1 and mesh.size("cp") == 1:  # nothing to split inside the layers
         return model
+    # imported here: a run without tensor or context parallelism never needs the layers
+    from distributed.layers import (
+        DistributedAttention,
+        DistributedMLP,
+        SequenceGather,
+        SequenceSplit,
+        sequence_sizes,
+    )
+
     sizes = sequence_sizes(model.num_tokens, mesh)
     for block in model.blocks.values():
         block.attn = DistributedAttention(block.attn, mesh, sizes)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,19 +35,12 @@ from utils.config import Config
 log = logging.getLogger(__name__)
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed support
-        return None
-    return DTensor
-
-
-DTENSOR = _dtensor_type()
-
-
 def is_sharded(t: Any) -> bool:
-    return DTENSOR is not None and isinstance(t, DTENSOR)
+    """Whether ``t`` is a DTensor (an FSDP parameter or one of its optimizer states). A DTensor
+    exists only once ``torch.distributed.tensor`` is imported (FSDP does it), so a run without
+    FSDP never pays the 0.7 s that importing it takes in every process."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -240,15 +240,31 @@ def test_data_check_writes_data_and_the_run_config(tmp_path, monkeypatch):
 
 
 # ------------------------------------------- the checks on the test data ---
+# Each check's subprocesses may run this long here, well inside pytest's limit for the test
+# (pyproject.toml): a hung subprocess becomes a failed check that names it, not a pytest
+# timeout with nothing to read (the script's default, 600 s, is for real GPU runs).
+SUBPROCESS_LIMIT_S = 120
+
+
 def small_ctx(cfg_factory, tmp_path: Path, rungs: str) -> gc.Context:
     """A context over the test data set: the tiny model, 4 steps per epoch."""
     args = gc.parse_args(["--out", str(tmp_path / "out"), "--steps", "8", "--ladder_steps", "2",
-                          "--rungs", rungs, "--batch", "4", "--workers", "1"])
+                          "--rungs", rungs, "--batch", "4", "--workers", "1",
+                          "--timeout", str(SUBPROCESS_LIMIT_S)])
     gc.resolve_rungs(args)
     ctx = gc.Context(args=args, out=tmp_path / "out", work=tmp_path, dali_error=gc.dali_status()[1])
     cfg = cfg_factory(limit_nsamples=16, expdir=str(tmp_path / "runs"))
     ctx.yaml = gc.write_run_config(cfg, tmp_path / "run.yaml")
     return ctx
+
+
+def test_the_checks_here_stop_their_subprocesses_before_pytest_stops_them():
+    import re
+
+    pytest_limit = int(re.search(r"^timeout = (\d+)$", (REPO / "pyproject.toml").read_text(), re.M).group(1))
+    # a check runs at most two subprocesses in turn (the two trainings), each within the limit
+    assert 2 * SUBPROCESS_LIMIT_S < pytest_limit
+    assert gc.parse_args(["--timeout", str(SUBPROCESS_LIMIT_S)]).timeout == SUBPROCESS_LIMIT_S
 
 
 @pytest.mark.slow

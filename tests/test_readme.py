@@ -1,12 +1,15 @@
-"""Every shell command in the README is checked, part by part, in the order a learner runs them.
+"""Every shell command of the course (README.md and the pages in docs/) is checked, in the order
+a learner runs them: the pages in the order of the README's table, in one working folder.
 
 Each command of a ```bash block is classified by the first rule below that matches it:
 commands that can run here are run with a small override (few steps, small data, a
-temporary output folder shared by the commands of one part of the README) and must succeed,
+temporary output folder shared by every command of the course, as one clone is) and must succeed,
 and a training command must train (a command that lands in the folder of an earlier one and
-finds nothing to do fails); Slurm, GPU-only and long-running commands are checked statically
+finds nothing to do fails); paths under logs/ are taken inside that folder. Slurm, GPU-only
+and long-running commands are checked statically
 (the script, configuration, flags and files they name must exist and parse). A command that
-no rule matches fails the test: a new README command must be classified here.
+no rule matches fails the test: a new command on a page must be classified here. Links and
+images between the pages, and the code ranges a page points to, are checked too.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +30,20 @@ from tests.conftest import REPO, subprocess_env
 from utils.config import DEFAULT_YAML, available_configs, load_config
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+
+
+def course_pages() -> list[Path]:
+    """README.md, then the pages its table links, in the table's order, then any other page."""
+    linked = []
+    for name in re.findall(r"\]\((docs/[\w.-]+\.md)\)", README.read_text()):
+        if REPO / name not in linked:
+            linked.append(REPO / name)
+    rest = [p for p in sorted(DOCS.glob("*.md")) if p not in linked]
+    return [README, *linked, *rest]
+
+
+PAGES = course_pages()
 TRAIN_SCRIPTS = {"train.py", "train_graph.py", "train_mp.py"}
 SUBMIT_SCRIPTS = {"submit_pm.sh": "train.py", "submit_pm_dp.sh": "train.py",
                   "submit_pm_mp.sh": "train_mp.py"}
@@ -38,8 +56,13 @@ SBATCH_FLAGS = {"--requeue", "--exclusive"}
 
 @dataclass(frozen=True)
 class Command:
-    line: int  # README line where the command starts
+    line: int  # line of its page where the command starts
     text: str
+    page: str = "README.md"
+
+    @property
+    def where(self) -> str:
+        return f"{self.page} line {self.line}"
 
     @property
     def env_and_words(self) -> tuple[dict[str, str], list[str]]:
@@ -51,8 +74,8 @@ class Command:
         return env, words
 
 
-def readme_commands(text: str | None = None) -> list[Command]:
-    """Commands of the README's ```bash blocks, with continuation lines joined."""
+def readme_commands(text: str | None = None, page: str = "README.md") -> list[Command]:
+    """Commands of a page's ```bash blocks, with continuation lines joined."""
     text = README.read_text() if text is None else text
     commands: list[Command] = []
     in_bash, pending, start = False, "", 0
@@ -72,8 +95,13 @@ def readme_commands(text: str | None = None) -> list[Command]:
         full = " ".join((pending + line).split())
         pending = ""
         if full:
-            commands.append(Command(start, full))
+            commands.append(Command(start, full, page))
     return commands
+
+
+def course_commands() -> list[Command]:
+    return [cmd for page in PAGES
+            for cmd in readme_commands(page.read_text(), page.relative_to(REPO).as_posix())]
 
 
 def _comment_start(line: str) -> int:
@@ -122,6 +150,7 @@ class Runner:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.data: dict[tuple[int, int], Path] = {}
+        self.seconds: list[tuple[float, str]] = []  # each command's run time (shown with -s)
 
     def data_for(self, config: str) -> Path:
         size = load_config(DEFAULT_YAML, config).img_size
@@ -131,9 +160,15 @@ class Runner:
             self.data[size] = out
         return self.data[size]
 
+    def in_logs(self, words: list[str]) -> list[str]:
+        """Paths under logs/ (run folders, plots, reports) inside this test's folder."""
+        return [str(self.tmp / w) if w.startswith("logs/") else w for w in words]
+
     def run(self, words: list[str], env: dict[str, str], timeout: float = 240) -> str:
+        start = time.monotonic()
         result = subprocess.run(words, cwd=REPO, env=subprocess_env(**env), capture_output=True,
                                 text=True, timeout=timeout)
+        self.seconds.append((time.monotonic() - start, " ".join(words)))
         assert result.returncode == 0, (words, result.stdout[-2000:], result.stderr[-3000:])
         return result.stdout
 
@@ -158,17 +193,17 @@ def script_of(words: list[str]) -> str | None:
 
 def check_local_python(cmd: Command, runner: Runner) -> None:
     env, words = cmd.env_and_words
-    words = python_words(words)
+    words = runner.in_logs(python_words(words))
     script = script_of(words)
     assert script and (REPO / next(w for w in words if w.endswith(".py"))).is_file(), cmd.text
     if script in TRAIN_SCRIPTS:
         index = next(i for i, w in enumerate(words) if w.endswith(".py"))
         check_train_flags(script, words[index + 1:])
         out = runner.run(words + runner.train_overrides(config_of(words)), env)
-        assert "Avg train loss=" in out, (f"trained nothing (an earlier command of this part used the "
+        assert "Avg train loss=" in out, (f"trained nothing (an earlier command of the course used the "
                                           f"same run folder?): {cmd.text}\n{out[-1500:]}")
     elif script == "convert_checkpoint.py":  # the runs' folders: under this test's --expdir
-        runner.run([str(runner.tmp / w) if w.startswith("logs/") else w for w in words], env)
+        runner.run(words, env)
     elif script == "make_synthetic_era5.py":
         runner.run(words + ["--output_dir", str(runner.tmp / "generated"), "--samples_per_year", "3",
                             "--quiet"], env)
@@ -178,37 +213,21 @@ def check_local_python(cmd: Command, runner: Runner) -> None:
         raise AssertionError(f"no rule to run {script}: add one to SCRIPT_OVERRIDES in {__file__}")
 
 
-def trained_tiny_run(runner: Runner) -> Path:
-    runner.run([sys.executable, "train.py", "--config", "tiny", "--run_num", "for_plots",
-                *runner.train_overrides("tiny")], {})
-    return runner.tmp / "logs" / "tiny" / "1GPU" / "for_plots"
-
-
-SCRIPT_OVERRIDES = {
-    "plot_training.py": lambda runner: ["--out", str(runner.tmp / "training.png")],  # reads example_logs
-    "plot_prediction.py": lambda runner: [
-        "--run_dir", str(trained_tiny_run(runner)), "--out", str(runner.tmp / "prediction.png")],
+SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under logs/ are rewritten
+    "plot_training.py": lambda runner: [],  # reads example_logs
+    "plot_prediction.py": lambda runner: [],  # the run folder of the page's first training command
+    "plot_model_sizes.py": lambda runner: [],  # the runs of the commands just before it
+    "plot_profile.py": lambda runner: [],  # the trace of the profiling command before it
     "mp_memory.py": lambda runner: [],  # no data, no output files: runs as written
-    "sharding_report.py": lambda runner: [  # 1 and 2 ranks, one step each
-        "--ranks", "1", "2", "--steps", "1", "--out", str(runner.tmp / "sharding"),
-        "--", "--data_dir", str(runner.data_for("tiny_large"))],
+    "sharding_report.py": lambda runner: [  # 2 ranks (1 is the same code unsharded), one step each
+        "--ranks", "2", "--steps", "1", "--", "--data_dir", str(runner.data_for("tiny_large"))],
     "pipeline_report.py": lambda runner: [  # two schedules on 2 stages, 4 micro-batches, 2 steps
         "--schedules", "1f1b", "zero_bubble", "--stages", "2", "--microbatches", "4", "--steps", "2",
-        "--batch", "8",
-        "--out", str(runner.tmp / "pipeline"), "--", "--data_dir", str(runner.data_for("tiny_deep"))],
-    # the two runs of the README's commands just before it, and the committed example
-    "plot_model_sizes.py": lambda runner: [
-        "--run_dirs", *(str(runner.tmp / "logs" / c / "1GPU" / "sizes") for c in ("tiny_small",
-                                                                                  "tiny_large")),
-        "example_logs/tiny/1GPU/demo", "--out", str(runner.tmp / "sizes.png")],
-    # reads the trace of the README's profiling command, run earlier in the same part
-    "plot_profile.py": lambda runner: [
-        "--run_dir", str(runner.tmp / "logs" / "tiny_short" / "1GPU" / "profile"),
-        "--out", str(runner.tmp / "profile.png")],
+        "--batch", "8", "--", "--data_dir", str(runner.data_for("tiny_deep"))],
     "benchmark.py": lambda runner: [  # one rung, one step (the full ladder: test_ladder.py)
         "--data_dir", str(runner.data_for("small")), "--rungs", "baseline", "--steps", "1",
         "--warmup", "0", "--profile_steps", "1", "--loader_batches", "1", "--matmul_size", "64",
-        "--no_bare", "--out_dir", str(runner.tmp / "benchmark")],
+        "--no_bare", "--out_dir", str(runner.tmp / "logs" / "benchmark")],
 }
 
 
@@ -247,11 +266,22 @@ SUBMIT_ENV = {"DATADIR", "LOGDIR", "IMAGE", "ENABLE_PROFILING", "PROFILE_OUTPUT"
 
 
 def check_make(cmd: Command, runner: Runner) -> None:
-    """`make X`: the target exists (dry run). `make test` is what CI runs; `make train` what
-    the end-to-end test exercises; running them here would recurse or duplicate."""
+    """`make train` runs what it stands for, `python train.py --config tiny`, in the course's
+    folder (a later command that lands in its run folder must not find it done). Other targets
+    are dry runs: the target exists. `make test` is what CI runs, the others set up or check."""
     _, words = cmd.env_and_words
+    if words[1:] == ["train"]:
+        check_local_python(Command(cmd.line, "python train.py --config tiny", cmd.page), runner)
+        return
     result = subprocess.run(["make", "-n", *words[1:]], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, (cmd.text, result.stderr)
+
+
+def check_activate(cmd: Command, runner: Runner) -> None:
+    """`source .venv/bin/activate`: the environment `make venv` makes (the suite runs in one)."""
+    _, words = cmd.env_and_words
+    assert words == ["source", ".venv/bin/activate"], cmd.text
+    assert "-m venv $(VENV)" in (REPO / "Makefile").read_text()
 
 
 def check_tensorboard(cmd: Command, runner: Runner) -> None:
@@ -282,6 +312,7 @@ RULES = [
     (r"^make\b", check_make),
     (r"^srun\b", check_srun),
     (r"^\.venv/bin/tensorboard\b|^tensorboard\b", check_tensorboard),
+    (r"^source \.venv/bin/activate$", check_activate),
 ]
 
 
@@ -292,26 +323,28 @@ def classify(cmd: Command):
     return None
 
 
-COMMANDS = readme_commands()
+COMMANDS = course_commands()
 
 
-def test_readme_has_commands():
-    assert len(COMMANDS) > 10
+def test_the_course_has_its_pages_and_commands():
+    assert [p.name for p in PAGES[:2]] == ["README.md", "01-single-device.md"] and len(PAGES) >= 7
+    assert len(COMMANDS) > 40
 
 
 def test_every_command_is_classified():
-    unclassified = [f"README line {c.line}: {c.text}" for c in COMMANDS if classify(c) is None]
+    unclassified = [f"{c.where}: {c.text}" for c in COMMANDS if classify(c) is None]
     assert not unclassified, "add a rule for:\n" + "\n".join(unclassified)
 
 
 COMMAND_WORDS = ("python", "python3", "torchrun", "sbatch", "srun", "make", "pip", "tensorboard", "nsys",
-                 ".venv/", "bash", "export", "cd ")
+                 ".venv/", "bash", "export", "cd ", "source ")
 
 
-def test_shell_commands_are_only_in_bash_blocks():
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_shell_commands_are_only_in_bash_blocks(page):
     """A command in a block not marked ```bash would escape the checks: mark the block."""
     block, offenders = None, []  # block: the open code block's language, None outside blocks
-    for number, line in enumerate(README.read_text().splitlines(), 1):
+    for number, line in enumerate(page.read_text().splitlines(), 1):
         stripped = line.strip()
         if stripped.startswith("```"):
             block = stripped[3:] if block is None else None
@@ -327,49 +360,101 @@ def test_parser_joins_continuations_and_drops_comments():
     assert [c.text for c in readme_commands(text)] == ["sbatch -N 4 x.sh --config=a"]
 
 
-def readme_parts(commands: list[Command], text: str | None = None) -> dict[str, list[Command]]:
-    """The commands under each `## ` heading of the README, in README order."""
-    text = README.read_text() if text is None else text
-    headings = [(n, line[3:].strip()) for n, line in enumerate(text.splitlines(), 1)
-                if line.startswith("## ")]
-    parts: dict[str, list[Command]] = {}
-    for cmd in commands:
-        title = next((t for n, t in reversed(headings) if n < cmd.line), "top")
-        parts.setdefault(title, []).append(cmd)
-    return parts
+OUTPUT_FLAGS = ("--out", "--out_dir", "--output_dir", "--expdir")
 
 
-PARTS = readme_parts(COMMANDS)
+def test_commands_write_only_under_logs_or_data():
+    """A command of the course never writes over the repository's own files (a plot into
+    docs/img, a report into the root): its outputs go under logs/ (or data/ for data)."""
+    offenders = []
+    for cmd in COMMANDS:
+        words = cmd.env_and_words[1]
+        for flag, value in zip(words, words[1:]):
+            if flag in OUTPUT_FLAGS and not value.startswith(("logs/", "data/", "$")):
+                offenders.append(f"{cmd.where}: {flag} {value}")
+    assert not offenders, "\n".join(offenders)
 
 
-def test_parts_group_commands_in_order():
-    text = "## A\n```bash\npython a.py\n```\n## B\n```bash\npython b.py\npython c.py\n```\n"
-    parts = readme_parts(readme_commands(text), text)
-    assert {k: [c.text for c in v] for k, v in parts.items()} == {
-        "A": ["python a.py"], "B": ["python b.py", "python c.py"]}
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_links_and_images_resolve(page):
+    """Relative links and images work on GitHub: the file exists (from the page's folder) and
+    an anchor names a heading of the page it points to."""
+    text, problems = page.read_text(), []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://|mailto:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            problems.append(f"{target}: no such file")
+        elif anchor and file.suffix == ".md":
+            headings = {slug(h) for h in re.findall(r"^#+ (.+)$", file.read_text(), re.M)}
+            if anchor not in headings:
+                problems.append(f"{target}: no heading with that anchor")
+    assert not problems, f"{page.name}:\n" + "\n".join(problems)
+
+
+CODE_RANGE = re.compile(r"`([\w/]+\.py)` lines (\d+)-(\d+)(?: \(([^)]*)\))?")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_code_ranges_point_at_their_code(page):
+    """"`training/trainer.py` lines 120-180 (`train_step`, `train_epoch`)": the file has those
+    lines, and each name given is defined inside them."""
+    problems = []
+    for path, start, end, names in CODE_RANGE.findall(page.read_text()):
+        lines = (REPO / path).read_text().splitlines() if (REPO / path).is_file() else []
+        start, end = int(start), int(end)
+        if not lines or end > len(lines) or start > end:
+            problems.append(f"{path} lines {start}-{end}: the file has {len(lines)} lines")
+            continue
+        body = "\n".join(lines[start - 1:end])
+        for name in re.findall(r"`(\w+)`", names or ""):
+            if not re.search(rf"^\s*(def|class) {name}\b", body, re.M):
+                problems.append(f"{path} lines {start}-{end}: no def or class {name} there")
+    assert not problems, f"{page.name}:\n" + "\n".join(problems)
+
+
+def page_id(page: Path) -> str:
+    return page.stem
+
+
+@pytest.fixture(scope="module")
+def course_runner(tmp_path_factory) -> Runner:
+    """One folder for the whole course, as one learner's clone: pages share their runs."""
+    return Runner(tmp_path_factory.mktemp("course"))
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("course")
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("part", list(PARTS), ids=[re.sub(r"\W+", "-", p).strip("-") for p in PARTS])
-def test_part_in_order(part, tmp_path):
-    """One folder for the whole part: a command that collides with an earlier one fails."""
-    runner = Runner(tmp_path)
-    for cmd in PARTS[part]:
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_page_in_order(page, course_runner):
+    """The page's commands, after those of the pages before it (the tests run in the pages'
+    order on one worker): a command that collides with an earlier one of any page fails."""
+    for cmd in [c for c in COMMANDS if c.page == page.relative_to(REPO).as_posix()]:
         check = classify(cmd)
         if check is None:
-            pytest.fail(f"unclassified README command at line {cmd.line}: {cmd.text}")
+            pytest.fail(f"unclassified command at {cmd.where}: {cmd.text}")
         try:
-            check(cmd, runner)
+            check(cmd, course_runner)
         except AssertionError as err:
-            raise AssertionError(f"README line {cmd.line}: {cmd.text}\n{err}") from None
+            raise AssertionError(f"{cmd.where}: {cmd.text}\n{err}") from None
+    for seconds, words in course_runner.seconds:
+        print(f"{seconds:6.1f} s  {words[:160]}")
+    course_runner.seconds.clear()
 
 
 @pytest.mark.slow
 def test_a_command_that_trains_nothing_fails(tmp_path):
-    """Two README commands with the same run folder: the second finds the run finished."""
+    """Two commands with the same run folder: the second finds the run finished. `make train`
+    stands for `python train.py --config tiny`, so that command after it is such a pair."""
     runner = Runner(tmp_path)
-    cmd = Command(1, "python train.py --config tiny_short")
-    check_local_python(cmd, runner)
+    check_make(Command(1, "make train"), runner)
     with pytest.raises(AssertionError, match="trained nothing"):
-        check_local_python(cmd, runner)
+        check_local_python(Command(2, "python train.py --config tiny"), runner)

@@ -92,21 +92,23 @@ def test_layout_logs_the_serial_losses(name, serial, data_dir, test_yaml, tmp_pa
     assert_same_losses(serial, logged)
 
 
-def _memory_per_rank(cfg, run_dir_path, out_dir, world):
-    """In every rank: one step, then what this rank holds, in elements."""
+def _memory_per_rank(cfgs, run_dir_path, out_dir, world):
+    """In every rank, for each layout in turn (one job for all three): one step, then what this
+    rank holds, in elements."""
     rank = torch.distributed.get_rank()
-    mesh = build_mesh({}, cfg.parallel_order, "cpu")
-    ctx = RunContext(device=torch.device("cpu"), run_dir=run_dir_path, rank=rank, world_size=world,
-                     mesh=mesh)
-    trainer = Trainer(cfg, ctx, cfg.global_batch_size // world)
-    inp, tar = next(iter(trainer.train_data))
-    trainer.train_step(inp, tar)  # zero_grad(set_to_none) drops gradients: count the parameters
-    opt = getattr(trainer.optimizer, "optim", trainer.optimizer)
-    counts = torch.tensor([
-        sum(local(p).numel() for p in trainer.raw_model.parameters()),
-        sum(local(v).numel() for s in opt.state.values() for v in s.values() if v.dim() > 0),
-    ])
-    torch.save(counts, Path(out_dir) / f"{cfg.data_parallel}_{world}_{rank}.pt")
+    mesh = build_mesh({}, cfgs[0].parallel_order, "cpu")
+    for cfg in cfgs:
+        ctx = RunContext(device=torch.device("cpu"), run_dir=run_dir_path / cfg.data_parallel, rank=rank,
+                         world_size=world, mesh=mesh)
+        trainer = Trainer(cfg, ctx, cfg.global_batch_size // world)
+        inp, tar = next(iter(trainer.train_data))
+        trainer.train_step(inp, tar)  # zero_grad(set_to_none) drops gradients: count the parameters
+        opt = getattr(trainer.optimizer, "optim", trainer.optimizer)
+        counts = torch.tensor([
+            sum(local(p).numel() for p in trainer.raw_model.parameters()),
+            sum(local(v).numel() for s in opt.state.values() for v in s.values() if v.dim() > 0),
+        ])
+        torch.save(counts, Path(out_dir) / f"{cfg.data_parallel}_{world}_{rank}.pt")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -114,9 +116,10 @@ def test_what_each_rank_holds(cfg_factory, tmp_path, world):
     """ddp: everything everywhere; zero1: the Adam moments split over the ranks; fsdp: the
     weights and moments split (each rank's shards add up to the whole model)."""
     serial_params = None
-    for mode in ("ddp", "zero1", "fsdp"):
-        cfg = cfg_factory(data_parallel=mode, global_batch_size=4, limit_nsamples=8)
-        run_ranks(world, _memory_per_rank, cfg, tmp_path / mode, tmp_path, world)
+    modes = ("ddp", "zero1", "fsdp")
+    cfgs = [cfg_factory(data_parallel=mode, global_batch_size=4, limit_nsamples=8) for mode in modes]
+    run_ranks(world, _memory_per_rank, cfgs, tmp_path, tmp_path, world)
+    for mode in modes:
         params, moments = zip(*(torch.load(tmp_path / f"{mode}_{world}_{r}.pt").tolist()
                                 for r in range(world)))
         if mode == "ddp":
@@ -188,7 +191,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(serial, data_dir, t
 
 def test_torchrun_restarts_a_dead_rank_and_resumes(serial, data_dir, test_yaml, tmp_path):
     """Rank 1 exits in step 3 of the first attempt; torchrun restarts both ranks, which resume
-    from the step-2 checkpoint. TORCH_DISABLE_SHARE_RDZV_TCP_STORE: see the README."""
+    from the step-2 checkpoint. TORCH_DISABLE_SHARE_RDZV_TCP_STORE: see docs/05-sharding.md."""
     flags = args(test_yaml, data_dir, tmp_path, data_parallel="fsdp", checkpoint_every=2)
     result = run(2, flags, timeout=240, max_restarts=1, DDP_TEST_EXIT_AT="1:3",
                  TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")

@@ -27,7 +27,6 @@ from distributed.env import all_reduce_sum
 from distributed.sharding import local
 from training import sharded_checkpoint as sharded
 from training.context import TrainingError
-from training.upgrade import upgrade_checkpoint
 from utils import checkpoint as ckpt
 from utils import device as dev
 
@@ -125,6 +124,8 @@ def load(trainer: Trainer, path: Path) -> None:
         state = sharded.read_trainer_file(path)
     else:  # whole tensors, each rank keeps its part
         state = sharded.read_consolidated(path) if path.is_dir() else ckpt.load(path)
+        from training.upgrade import upgrade_checkpoint  # older checkpoints' layout, when resuming
+
         state = upgrade_checkpoint(state, trainer.cfg.num_heads)
         trainer.load_model_state(state["model"])
         trainer.load_optimizer_state(state["optimizer"])

@@ -26,7 +26,6 @@ from distributed import mesh as meshes
 from distributed.env import any_rank, init_distributed, parse_env
 from training import run_dir as rundir
 from training.context import RunContext, local_batch_size
-from training.pipelined import trainer_for
 from training.trainer import Trainer, TrainingError
 from utils import device as dev
 from utils import signals
@@ -157,7 +156,11 @@ def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description:
         log.info("%s", dev.environment_summary(ctx.device))
         log.info("config %s on %s, %d rank(s); run directory %s", args.config, ctx.device,
                  ctx.world_size, ctx.run_dir)
-        trainer = trainer_for(cfg, trainer_cls)(cfg, ctx, local_batch)
+        if cfg.pipeline_parallel > 1:  # the pipelined step, imported only for pipelines
+            from training.pipelined import trainer_for
+
+            trainer_cls = trainer_for(cfg, trainer_cls)
+        trainer = trainer_cls(cfg, ctx, local_batch)
         lock = lock_run_dir(ctx)
         if ctx.is_main:
             write_resolved_config(cfg, ctx.run_dir, args.config)

@@ -1,4 +1,4 @@
-"""Figures for TensorBoard and the README."""
+"""Figures for TensorBoard and the course pages."""
 
 from __future__ import annotations
 
