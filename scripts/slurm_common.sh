@@ -37,8 +37,19 @@ fi
 run_training() {
   local entry=$1; shift
   local launcher=(srun --kill-on-bad-exit=1 -u)
+  # From Slurm 22.05 on, srun does not take --cpus-per-task from the batch allocation: each
+  # task would get one CPU, and DataLoader workers and DALI threads would share it. Pass the
+  # allocation's CPUs per task on, each task bound to its own cores (next to its GPU: the
+  # GPU numbering above follows Perlmutter's core layout).
+  if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+    export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+    launcher+=(-c "$SLURM_CPUS_PER_TASK" --cpu-bind=cores)
+  fi
   local profile=() cmd=() rc=0
-  mkdir -p "$LOGDIR" || return 1
+  if ! mkdir -p "$LOGDIR" 2>/dev/null; then
+    echo "error: cannot create LOGDIR=$LOGDIR; set LOGDIR to a folder you can write" >&2
+    return 2
+  fi
   if [ "${ENABLE_PROFILING:-0}" = 1 ]; then
     local out="$LOGDIR/${PROFILE_OUTPUT:-profile}"
     [ "${SLURM_NTASKS:-1}" -gt 1 ] && out="${out}_rank%q{SLURM_PROCID}"  # one report per rank

@@ -21,7 +21,7 @@ def batches(loader, epoch: int, start_batch: int = 0) -> list[tuple[torch.Tensor
 
 
 def assert_same(a, b) -> None:
-    assert len(a) == len(b)
+    assert len(a) == len(b) > 0  # zip stops at the shorter: a loader that yields too few must fail
     for (x1, y1), (x2, y2) in zip(a, b):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)  # bit for bit
 
@@ -103,6 +103,7 @@ def test_gpu_pipeline_equals_pytorch(cfg_factory):
     dali = DALIBatches(cfg, "train", BATCH, train=True, device=torch.device("cuda", 0))
     got = [(x.cpu(), y.cpu()) for x, y in batches(dali, 0)]
     ref = pytorch_batches(cfg, "train", True, 0)
+    assert len(got) == len(ref) == 4  # 16 samples in batches of 4; zip alone would stop at the shorter
     for (x1, y1), (x2, y2) in zip(got, ref):
         # normalisation runs on the GPU: division there may round differently in the last bit
         torch.testing.assert_close(x1, x2, rtol=1e-6, atol=1e-6)

@@ -155,3 +155,38 @@ def test_adam_runs_the_multi_tensor_path_unless_fused(cfg_factory, tmp_path):
                                  RunContext(device=torch.device("cpu"), run_dir=tmp_path / str(fused)), 4)
         group = trainer.optimizer.param_groups[0]
         assert (bool(group["foreach"]), bool(group["fused"])) == (not fused, fused)
+
+
+def test_threads_follow_the_cpus_this_process_may_run_on(monkeypatch):
+    """Ranks of torchrun (or a plain start) split the CPUs they see; a task of an srun step has
+    its own (the submit scripts give it `-c` CPUs, bound)."""
+    monkeypatch.setattr(dev.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(dev.os, "cpu_count", lambda: 128)  # the node's count must not matter
+    assert dev.cpu_threads(1, {}) == 8
+    assert dev.cpu_threads(4, {}) == 2
+    assert dev.cpu_threads(4, {"SLURM_STEP_ID": "0"}) == 8  # srun: 8 CPUs of its own
+    assert dev.cpu_threads(4, {"SLURM_STEP_ID": "0", "TORCHELASTIC_RUN_ID": "x"}) == 2  # torchrun in srun
+    assert dev.cpu_threads(16, {}) == 1
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="no CPU affinity here")
+def test_threads_under_taskset_count_the_allowed_cpus():
+    """A real restricted affinity: taskset lets the process run on CPU 0 only."""
+    code = ("from utils.device import set_cpu_threads; import torch; set_cpu_threads(1); "
+            "print(torch.get_num_threads())")
+    env = {k: v for k, v in subprocess_env().items() if k != "OMP_NUM_THREADS"}
+    result = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1"]
+
+
+def test_graphs_refuse_activation_checkpointing_before_torch_2_10(cfg_factory, tmp_path, monkeypatch):
+    assert compat.graphs_with_checkpointing_problem("2.13.0") is None
+    assert compat.graphs_with_checkpointing_problem("2.10.1") is None
+    problem = compat.graphs_with_checkpointing_problem("2.9.1+cu128")
+    assert problem.startswith("train_graph.py with --activation_checkpointing needs torch 2.10 or newer")
+    monkeypatch.setattr(compat, "torch_version", lambda version=None: (2, 8))
+    with pytest.raises(ValueError, match="needs torch 2.10 or newer"):
+        graphs.GraphTrainer(cfg_factory(activation_checkpointing="full"),
+                            RunContext(device=torch.device("cpu"), run_dir=tmp_path), 4)

@@ -59,12 +59,13 @@ def tracked_python_files() -> list[Path]:
                              check=True).stdout
         return [REPO / line for line in out.splitlines()]
     except (OSError, subprocess.CalledProcessError):  # not a git checkout: skip environments
-        return [p for p in sorted(REPO.rglob("*.py")) if not any(
-            part.startswith(".") or (REPO.joinpath(*p.relative_to(REPO).parts[: i + 1]) / "pyvenv.cfg").exists()
-            for i, part in enumerate(p.relative_to(REPO).parts[:-1]))]
+        environments = {p.parent for p in REPO.rglob("pyvenv.cfg")}
+        return [p for p in sorted(REPO.rglob("*.py"))
+                if not any(part.startswith(".") for part in p.relative_to(REPO).parts[:-1])
+                and not any(env in p.parents for env in environments)]
 
 
-def test_tracked_files_leave_out_virtual_environments(tmp_path):
+def test_tracked_files_leave_out_virtual_environments():
     files = {p.relative_to(REPO).as_posix() for p in tracked_python_files()}
     assert "train.py" in files and "training/trainer.py" in files
     assert not any(f.startswith((".venv", "venv")) or "site-packages" in f for f in files)

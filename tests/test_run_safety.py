@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -59,6 +60,14 @@ def test_an_expdir_that_is_a_file(launch, tmp_path):
     (tmp_path / "afile").write_text("x")
     code, err, _ = launch(expdir=tmp_path / "afile" / "logs")
     assert code == 2 and f"{tmp_path / 'afile'} is a file, not a folder" in err
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="no /proc here")
+def test_an_expdir_where_no_folder_can_be_made(launch):
+    """/proc looks writable to root, but takes no new folders: one line, not a traceback."""
+    code, err, _ = launch(expdir=Path("/proc/no/logs"))
+    assert code == 2 and err.startswith("error: cannot create the run directory /proc/no/logs/")
+    assert "/proc does not take new folders" in err
 
 
 def test_a_second_run_in_the_same_folder_stops_with_the_holder(launch, tmp_path):

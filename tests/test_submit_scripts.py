@@ -64,6 +64,30 @@ def test_versions_are_printed_before_training_natively(tmp_path):
     assert result.returncode == 0 and result.stdout.startswith("environment: torch ")
 
 
+def test_srun_gets_the_allocations_cpus_per_task(tmp_path):
+    """Slurm 22.05+: srun does not inherit --cpus-per-task; the script passes it on, bound."""
+    calls = run_training(tmp_path, "train.py", with_shifter=False, SLURM_CPUS_PER_TASK="32")
+    assert calls[-1].startswith("srun --kill-on-bad-exit=1 -u -c 32 --cpu-bind=cores ")
+    calls = run_training(tmp_path / "none", "train.py", with_shifter=False)  # no -c in the job
+    assert calls[-1].startswith("srun --kill-on-bad-exit=1 -u bash ")
+
+
 def test_native_runs_even_where_shifter_exists(tmp_path):
     calls = run_training(tmp_path, "train.py", with_shifter=True, NATIVE="1")
     assert len(calls) == 1 and "shifter" not in calls[0] and f"{sys.executable} train.py" in calls[0]
+
+
+def test_a_logdir_that_cannot_be_made_is_one_line_before_srun(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake(bin_dir, "srun", tmp_path / "calls.log")
+    (tmp_path / "afile").write_text("x")
+    for logdir in ("/proc/no/logs", str(tmp_path / "afile" / "logs")):
+        environ = subprocess_env(PATH=f"{bin_dir}:{os.environ['PATH']}", LOGDIR=logdir)
+        script = f"REPO={REPO}; source scripts/slurm_common.sh && run_training train.py --config tiny"
+        result = subprocess.run(["bash", "-c", script], cwd=REPO, env=environ, capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 2
+        assert result.stderr.strip() == (f"error: cannot create LOGDIR={logdir}; set LOGDIR to a "
+                                         f"folder you can write")
+    assert not (tmp_path / "calls.log").exists()  # srun never started

@@ -1,6 +1,7 @@
 """train.py end to end, exact resume, atomic checkpoints, one-line errors."""
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -119,6 +120,23 @@ def test_resume_gives_the_same_losses(cfg_factory, tmp_path):
     ends = [torch.load(tmp_path / d / "checkpoint.pt", weights_only=False) for d in ("straight", "resumed")]
     for name, tensor in ends[0]["model"].items():
         torch.testing.assert_close(tensor, ends[1]["model"][name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("before, after", [(False, True), (True, False)])
+def test_resume_keeps_the_running_optimizers_kernels(cfg_factory, tmp_path, caplog, before, after):
+    """A checkpoint's param groups carry the kernel flags it ran with; resuming with another
+    --enable_fused (or in train_graph.py, capturable) keeps the new run's flags, says so, and
+    still trains."""
+    make_trainer(cfg_factory(num_iters=2, enable_fused=before), tmp_path).fit()
+    resumed = make_trainer(cfg_factory(num_iters=4, enable_fused=after), tmp_path)
+    with caplog.at_level(logging.INFO, logger="training.checkpointing"):
+        resumed.fit()
+    group = resumed.optimizer.param_groups[0]
+    assert bool(group["fused"]) == after and bool(group["foreach"]) == (not after)
+    flags = {False: "None", True: "True"}  # adam_kernel sets one of the two, the other stays None
+    assert (f"this run keeps its own (foreach {flags[not before]} -> {flags[not after]}, "
+            f"fused {flags[before]} -> {flags[after]})") in caplog.text
+    assert resumed.step == 4
 
 
 def test_rerunning_a_finished_run_says_how_to_train_again(cfg_factory, tmp_path, caplog):

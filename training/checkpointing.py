@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,9 +119,41 @@ def save_sharded(trainer: Trainer) -> None:
         log.info("sharded checkpoint at step %d written to %s", trainer.step, folder)
 
 
+# How the optimizer computes, not what it has learned: the running script's choice
+# (train_graph.py's capturable Adam, --enable_fused), never the checkpoint's.
+KERNEL_FLAGS = ("capturable", "foreach", "fused")
+
+
+def keep_kernel_flags(optimizer: torch.optim.Optimizer, load: Callable[[], None]) -> None:
+    """Run ``load`` (the optimizer's state from a checkpoint) and keep this run's kernel flags.
+
+    ``load_state_dict`` takes every param-group setting from the checkpoint, so a graph run
+    resuming a train.py checkpoint would lose ``capturable`` (and its capture fail), and a
+    change of ``--enable_fused`` would be ignored. Adam's step counts then move to where the
+    kept flags want them: on the parameter's device for capturable or fused Adam, on the CPU
+    otherwise (torch checks both)."""
+    before = [{key: group.get(key) for key in KERNEL_FLAGS} for group in optimizer.param_groups]
+    load()
+    changed = set()
+    for group, flags in zip(optimizer.param_groups, before):
+        for key, value in flags.items():
+            if group.get(key) != value:
+                changed.add(f"{key} {group.get(key)} -> {value}")
+                group[key] = value
+        on_device = bool(group.get("capturable") or group.get("fused"))
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if torch.is_tensor(step):
+                optimizer.state[p]["step"] = step.to(p.device if on_device else "cpu", torch.float32)
+    if changed:
+        log.info("the checkpoint's optimizer ran with other kernels; this run keeps its own (%s)",
+                 ", ".join(sorted(changed)))
+
+
 def load(trainer: Trainer, path: Path) -> None:
     if path.is_dir() and trainer.sharded_checkpoints:  # each rank reads the slices it needs
-        sharded.load_into(path, trainer.raw_model, trainer.optimizer)
+        keep_kernel_flags(trainer.optimizer,
+                          lambda: sharded.load_into(path, trainer.raw_model, trainer.optimizer))
         state = sharded.read_trainer_file(path)
     else:  # whole tensors, each rank keeps its part
         state = sharded.read_consolidated(path) if path.is_dir() else ckpt.load(path)
@@ -128,7 +161,7 @@ def load(trainer: Trainer, path: Path) -> None:
 
         state = upgrade_checkpoint(state, trainer.cfg.num_heads)
         trainer.load_model_state(state["model"])
-        trainer.load_optimizer_state(state["optimizer"])
+        keep_kernel_flags(trainer.optimizer, lambda: trainer.load_optimizer_state(state["optimizer"]))
     trainer.scheduler.load_state_dict(state["scheduler"])
     if trainer.scaler and state["scaler"]:
         trainer.scaler.load_state_dict(state["scaler"])

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from training.context import RunContext
 from training.trainer import Trainer
+from utils import compat
 from utils import device as dev
 from utils.config import Config
 
@@ -46,6 +47,9 @@ class GraphTrainer(Trainer):
         if cfg.amp_mode == "fp16":
             raise ValueError("train_graph.py supports amp_mode none or bf16: fp16's GradScaler "
                              "checks for inf on the host, which a CUDA graph cannot capture")
+        problem = compat.graphs_with_checkpointing_problem()
+        if cfg.activation_checkpointing != "none" and problem:
+            raise ValueError(problem)
         if cfg.data_parallel != "ddp" or cfg.grad_accum_steps > 1:
             raise ValueError("train_graph.py captures one plain DDP step: use --data_parallel ddp and "
                              "--grad_accum_steps 1 (train.py runs zero1, fsdp and accumulation)")

@@ -14,6 +14,7 @@ import fcntl
 import logging
 import os
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,11 @@ def check_can_create(run_dir: Path) -> None:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"cannot create the run directory {run_dir}: {path} is not writable; "
                          f"choose another --expdir")
+    try:  # what access() cannot tell: /proc, a read-only mount seen by root, a full quota
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=path))
+    except OSError as err:
+        raise ValueError(f"cannot create the run directory {run_dir}: {path} does not take new "
+                         f"folders ({err.strerror}); choose another --expdir") from None
 
 
 def previous_run(run_dir: Path) -> dict[str, Any] | None:

@@ -41,6 +41,19 @@ def require_supported_torch() -> None:
         raise SystemExit(2)
 
 
+def graphs_with_checkpointing_problem(version: str | None = None) -> str | None:
+    """Why a CUDA graph cannot capture activation checkpointing on this torch, or None.
+
+    On torch 2.8 and 2.9 the capture fails on the recomputed forward's RNG state (the
+    checkpoint saves and restores the CUDA generator's state, which a capture forbids there).
+    """
+    if torch_version(version) < (2, 10):
+        return (f"train_graph.py with --activation_checkpointing needs torch 2.10 or newer (this is "
+                f"{version or torch.__version__}: capturing the recomputation's RNG state fails); "
+                f"use --activation_checkpointing none, or train.py")
+    return None
+
+
 def ddp_buffer_sync(sync: bool) -> dict[str, bool]:
     """DDP's keyword for broadcasting module buffers from rank 0 at every forward.
 

@@ -7,6 +7,7 @@ never cross a year boundary. Sample indices run over the year files in sorted or
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import signal
@@ -172,10 +173,8 @@ def _stop_loader_workers() -> None:
     children = [p for p in multiprocessing.active_children() if p.daemon]
     if not children:
         return
-    try:
+    with contextlib.suppress(ValueError):  # not the main thread: leave the handler as it is
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    except ValueError:  # not the main thread: leave the handler as it is
-        pass
     for p in children:
         p.kill()
     for p in children:

@@ -45,11 +45,28 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (what srun's -c and binding, taskset or a
+    container leave it), not the node's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1  # macOS: no affinity masks
+
+
+def cpu_threads(ranks_on_node: int, environ: dict[str, str] | None = None) -> int:
+    """Threads for torch's CPU work in this rank. A task of an srun step has CPUs of its own
+    (the submit scripts give each task `-c` CPUs, bound); ranks that torchrun (or a plain
+    start) put on one node share the CPUs they all see, so they split them."""
+    env = os.environ if environ is None else environ
+    own = "SLURM_STEP_ID" in env and "TORCHELASTIC_RUN_ID" not in env
+    return max(1, usable_cpus() if own else usable_cpus() // max(1, ranks_on_node))
+
+
 def set_cpu_threads(ranks_on_node: int) -> None:
-    """Share this node's cores between its ranks unless the user chose OMP_NUM_THREADS."""
+    """Give this rank its share of the usable CPUs, unless the user chose OMP_NUM_THREADS."""
     if "OMP_NUM_THREADS" in os.environ:
         return
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, ranks_on_node)))
+    torch.set_num_threads(cpu_threads(ranks_on_node))
 
 
 def configure_matmul(device: torch.device, allow_tf32: bool = True) -> None:
