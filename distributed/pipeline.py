@@ -46,6 +46,7 @@ from distributed.mesh import ParallelMesh
 from distributed.sharding import fsdp_active
 from distributed.tags import unwrap
 from networks.vit import ViT
+from utils import device as dev
 from utils.config import Config
 from utils.config_checks import INTERLEAVED, pipeline_stages
 
@@ -199,7 +200,8 @@ class Pipeline:
             for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"),
                                ("W", "backward_weight_one_chunk")):  # W: zero-bubble's weight part
                 if hasattr(stage, name):
-                    setattr(stage, name, _timed(getattr(stage, name), kind, stage.stage_index, events))
+                    setattr(stage, name, _timed(getattr(stage, name), kind, stage.stage_index, events,
+                                                self.device))
 
 
 def average_gradients(params: list[nn.Parameter], group: Any) -> None:
@@ -215,10 +217,16 @@ def average_gradients(params: list[nn.Parameter], group: Any) -> None:
         offset += g.numel()
 
 
-def _timed(fn: Callable[..., Any], kind: str, stage: int, events: list) -> Callable[..., Any]:
+def _timed(fn: Callable[..., Any], kind: str, stage: int, events: list,
+           device: torch.device) -> Callable[..., Any]:
+    """``fn`` with its start and end on the host clock. On a GPU the kernels run after the host
+    has queued them: the device is synchronised before each reading, so that the times are
+    the GPU's (a timeline only: it serialises the stage's work with the host)."""
     def run(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        dev.synchronize(device)
         start = time.perf_counter()
         out = fn(chunk_id, *args, **kwargs)
+        dev.synchronize(device)
         events.append((kind, stage, chunk_id, start, time.perf_counter()))
         return out
 

@@ -85,6 +85,7 @@ def worker(argv: list[str]) -> int:
 
     from training.launcher import main
     from training.trainer import Trainer
+    from utils import device as dev
 
     class RecordingTrainer(Trainer):
         def build_model(self):
@@ -98,9 +99,11 @@ def worker(argv: list[str]) -> int:
             dist.barrier()  # the ranks start the step together: their clocks line up
             self.events.clear()
             meter = SavedTensorMeter()
+            dev.synchronize(self.device)  # on a GPU: the host clock reads the device's time
             start = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
                 loss = super().train_step(inp, tar)
+            dev.synchronize(self.device)
             end = time.perf_counter()
             self.steps.append({"seconds": end - start, "saved_peak_bytes": meter.peak,
                                "events": [(k, s, m, a - start, b - start) for k, s, m, a, b in self.events]})

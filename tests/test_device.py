@@ -190,3 +190,32 @@ def test_graphs_refuse_activation_checkpointing_before_torch_2_10(cfg_factory, t
     with pytest.raises(ValueError, match="needs torch 2.10 or newer"):
         graphs.GraphTrainer(cfg_factory(activation_checkpointing="full"),
                             RunContext(device=torch.device("cpu"), run_dir=tmp_path), 4)
+
+
+def test_pipeline_timeline_reads_the_clock_after_the_device_finishes(monkeypatch):
+    """On a GPU the host queues kernels and moves on: each stage's start and end are read
+    after synchronising the device (faked here: the calls are recorded in order)."""
+    from distributed import pipeline
+
+    calls = []
+    monkeypatch.setattr(pipeline.dev, "synchronize", lambda device: calls.append(("sync", device.type)))
+    events = []
+    timed = pipeline._timed(lambda chunk: calls.append(("forward", chunk)), "F", 1, events,
+                            torch.device("cuda", 0))
+    timed(3)
+    assert calls == [("sync", "cuda"), ("forward", 3), ("sync", "cuda")]
+    assert [e[:3] for e in events] == [("F", 1, 3)] and events[0][3] <= events[0][4]
+
+
+def test_sharding_report_shows_the_gpu_allocator_peak_on_a_gpu():
+    from scripts import sharding_report as report
+
+    gpu = {"parameters_MiB": 1.0, "gradients_MiB": 1.0, "optimizer_MiB": 2.0, "allocator_peak_MiB": 123.4}
+    cpu = {"parameters_MiB": 1.0, "gradients_MiB": 1.0, "optimizer_MiB": 2.0, "peak_rss_MiB": 567.8}
+    for memory, name, value in ((gpu, "CUDA allocator peak MiB", "123"), (cpu, "peak RSS MiB", "568")):
+        rows = [{"mode": "ddp", "ranks": 1, "memory_MiB": memory}]
+        lines = report.memory_table(rows, params=2**18)
+        assert lines[0].endswith(f"| {name} |") and lines[2].endswith(f"| {value} |")
+        acts = report.checkpointing_table([{"checkpointing": "full", "memory_MiB": memory,
+                                             "samples_per_sec": 1.0}])
+        assert name in acts[0] and f"| {value} |" in acts[2]

@@ -69,7 +69,8 @@ def test_submit_pm_trains_and_writes_logs(slurm, data_dir, test_yaml, tmp_path):
     assert metrics(run)[-1]["step"] == 4
     log_text = (run / "out.log").read_text()
     assert "config tiny on cpu, 1 rank(s)" in log_text  # fake GPUs: CUDA_VISIBLE_DEVICES, no CUDA
-    assert "srun --kill-on-bad-exit=1" in out  # the script echoes its srun line
+    # the script echoes its srun line: the batch allocation's CPUs per task passed on, bound
+    assert "srun --kill-on-bad-exit=1 -u -c 32 --cpu-bind=cores" in out
 
 
 def test_submit_pm_dp_runs_ddp_over_gloo(slurm, data_dir, test_yaml, tmp_path):
