@@ -114,11 +114,10 @@ def test_pipeline_flags_need_train_mp(data_dir, test_yaml, tmp_path):
 
 # ------------------------------------------------------- the serial run's losses ---
 PP2 = {"pipeline_parallel": 2}
+# Every schedule is proven in one run, combined with another dimension where it can be
+# (gpipe with tp, 1f1b at 4 stages, zero bubble with dp and checkpointing).
 VARIANTS = {  # name: (ranks, flags)
-    "gpipe": (2, {**PP2, "pipeline_schedule": "gpipe"}),
-    "1f1b": (2, {**PP2, "pipeline_schedule": "1f1b"}),
     "interleaved_1f1b": (2, {**PP2, "pipeline_schedule": "interleaved_1f1b"}),
-    "zero_bubble": (2, {**PP2, "pipeline_schedule": "zero_bubble"}),
     "pp4_1f1b": (4, {"pipeline_parallel": 4}),
     # the stages average their gradients over dp themselves (2 micro-batches on 2 stages: where
     # DDP inside torch's stages failed intermittently), here with zero bubble's split backward

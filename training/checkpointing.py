@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from distributed.env import all_reduce_sum
-from distributed.sharding import local
+from distributed.sharding import local, local_optimizer
 from training import sharded_checkpoint as sharded
 from training.context import TrainingError
 from utils import checkpoint as ckpt
@@ -132,19 +132,20 @@ def keep_kernel_flags(optimizer: torch.optim.Optimizer, load: Callable[[], None]
     change of ``--enable_fused`` would be ignored. Adam's step counts then move to where the
     kept flags want them: on the parameter's device for capturable or fused Adam, on the CPU
     otherwise (torch checks both)."""
-    before = [{key: group.get(key) for key in KERNEL_FLAGS} for group in optimizer.param_groups]
+    inner = local_optimizer(optimizer)  # ZeRO-1: the Adam that holds this rank's share
+    before = [{key: group.get(key) for key in KERNEL_FLAGS} for group in inner.param_groups]
     load()
     changed = set()
-    for group, flags in zip(optimizer.param_groups, before):
+    for group, flags in zip(inner.param_groups, before):
         for key, value in flags.items():
             if group.get(key) != value:
                 changed.add(f"{key} {group.get(key)} -> {value}")
                 group[key] = value
         on_device = bool(group.get("capturable") or group.get("fused"))
         for p in group["params"]:
-            step = optimizer.state.get(p, {}).get("step")
+            step = (inner.state.get(p) or {}).get("step")
             if torch.is_tensor(step):
-                optimizer.state[p]["step"] = step.to(p.device if on_device else "cpu", torch.float32)
+                inner.state[p]["step"] = step.to(p.device if on_device else "cpu", torch.float32)
     if changed:
         log.info("the checkpoint's optimizer ran with other kernels; this run keeps its own (%s)",
                  ", ".join(sorted(changed)))
