@@ -222,3 +222,4 @@ print("iterated", flush=True)
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "iterated", result.stderr
+    assert "Traceback" not in result.stderr and "exited unexpectedly" not in result.stderr, result.stderr

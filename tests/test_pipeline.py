@@ -155,8 +155,7 @@ def interrupted(data_dir, test_yaml, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("ranks, script, layout, flags", [
-    (1, "train.py", "1GPU", {}),
-    (1, "train_mp.py", "1GPU_tp1_cp1_dp1", {}),  # pp = 1
+    (1, "train.py", "1GPU", {}),  # pp = 1 (train_mp.py at pp 1 runs the same code in another folder)
     (4, "train_mp.py", "4GPU_tp1_cp1_dp1_pp4", {"pipeline_parallel": 4}),
 ])
 def test_a_pipeline_checkpoint_resumes_in_any_layout(interrupted, serial, data_dir, test_yaml,

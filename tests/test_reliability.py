@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tests.conftest import make_cfg
 from training.context import RunContext, TrainingError
 from training.trainer import Trainer
 from utils import checkpoint as ckpt
@@ -30,20 +31,23 @@ def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+SHORT = dict(limit_nsamples=16, num_iters=NUM_ITERS, checkpoint_every=1, dropout=0.1)
+
+
 @pytest.fixture
 def short_cfg(cfg_factory):
     def make(**overrides):
-        values = dict(limit_nsamples=16, num_iters=NUM_ITERS, checkpoint_every=1, dropout=0.1)
-        return cfg_factory(**{**values, **overrides})
+        return cfg_factory(**{**SHORT, **overrides})
 
     return make
 
 
-@pytest.fixture
-def straight(short_cfg, tmp_path):
-    cfg = short_cfg()
-    make_trainer(cfg, tmp_path / "straight").fit()
-    return metrics(tmp_path / "straight")
+@pytest.fixture(scope="module")
+def straight(data_dir, tmp_path_factory):
+    """The uninterrupted run, once for every test of this file that compares with it."""
+    folder = tmp_path_factory.mktemp("straight")
+    make_trainer(make_cfg(data_dir, folder / "logs", **SHORT), folder / "run").fit()
+    return metrics(folder / "run")
 
 
 def assert_same_run(straight, run_dir):
