@@ -568,6 +568,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rungs", default=",".join(RUNG_NAMES), help="comma-separated subset of: "
                    + ", ".join(RUNG_NAMES))
     p.add_argument("--no_bare", action="store_true", help="skip the bare-loop reference")
+    p.add_argument("--batch", type=int, help="global batch (default: the config's); smaller for a "
+                                             "quick look on a slow machine")
     p.add_argument("--matmul_size", type=int, default=2048,
                    help="matmul peak: best of n/2, n and 2n square matmuls")
     p.add_argument("--out_dir", type=Path, default=Path("logs/benchmark"))
@@ -592,6 +594,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         base = load_config(args.yaml_config, args.config)
         if args.data_dir:
             base = with_overrides(base, data_dir=args.data_dir)
+        if args.batch is not None:
+            base = with_overrides(base, global_batch_size=args.batch)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     batch = base.global_batch_size

@@ -267,12 +267,14 @@ def driver(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("logs/sharding"))
     p.add_argument("--paper_configs", nargs="*", default=["base", "large", "xl"],
                    help="configs for the on-paper A100 table")
+    p.add_argument("--checkpointing", nargs="+", choices=("none", "selective", "full"),
+                   default=["none", "selective", "full"], help="activation checkpointing modes to measure")
     p.add_argument("flags", nargs="*", help="more train.py flags after --, e.g. -- --data_dir DIR")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
     params = count_parameters(build_vit(load_config(args.yaml_config, args.config)))
     rows = [measure(args, mode, n) for mode in MODES for n in args.ranks if not (n == 1 and mode != "ddp")]
-    acts = [measure(args, "ddp", 1, ac) for ac in ("none", "selective", "full")]
+    acts = [measure(args, "ddp", 1, ac) for ac in args.checkpointing]
     md = [f"Config `{args.config}`: {params} parameters, global batch {args.batch}, {args.steps} steps, "
           "fp32.",
           "", "Memory per rank (rank 0):", "", *memory_table(rows, params), "",

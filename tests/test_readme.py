@@ -220,13 +220,14 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
     "plot_model_sizes.py": lambda runner: [],  # the runs of the commands just before it
     "plot_profile.py": lambda runner: [],  # the trace of the profiling command before it
     "mp_memory.py": lambda runner: [],  # no data, no output files: runs as written
-    "sharding_report.py": lambda runner: [  # 2 ranks (1 is the same code unsharded), one step each
-        "--ranks", "2", "--steps", "1", "--", "--data_dir", str(runner.data_for("tiny_large"))],
-    "pipeline_report.py": lambda runner: [  # two schedules on 2 stages, 4 micro-batches, 2 steps
-        "--schedules", "1f1b", "zero_bubble", "--stages", "2", "--microbatches", "4", "--steps", "2",
+    "sharding_report.py": lambda runner: [  # 2 ranks (1 is the same code unsharded), one step
+        "--ranks", "2", "--steps", "1", "--checkpointing", "none", "full",  # each; selective between
+        "--", "--data_dir", str(runner.data_for("tiny_large"))],
+    "pipeline_report.py": lambda runner: [  # zero bubble (F, B and W parts) on 2 stages, 2 steps
+        "--schedules", "zero_bubble", "--stages", "2", "--microbatches", "4", "--steps", "2",
         "--batch", "8", "--", "--data_dir", str(runner.data_for("tiny_deep"))],
-    "benchmark.py": lambda runner: [  # one rung, one step (the full ladder: test_ladder.py)
-        "--data_dir", str(runner.data_for("small")), "--rungs", "baseline", "--steps", "1",
+    "benchmark.py": lambda runner: [  # one rung, one step of batch 2 (the full ladder: test_ladder.py)
+        "--data_dir", str(runner.data_for("small")), "--rungs", "baseline", "--steps", "1", "--batch", "2",
         "--warmup", "0", "--profile_steps", "1", "--loader_batches", "1", "--matmul_size", "64",
         "--no_bare", "--out_dir", str(runner.tmp / "logs" / "benchmark")],
 }
