@@ -16,7 +16,7 @@ $(STAMP): requirements.txt
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	@touch $(STAMP)
 
-# the demo data set (about 360 MB: three 120 MB year files): 730 six-hourly samples per split on a 32 x 64 grid
+# the demo data set (343 MB: three year files): 730 six-hourly samples per split on a 32 x 64 grid
 data: $(DATA)/stats/global_stds.npy
 
 # regenerated when the generator is newer than the data (after a pull that changed it), so
@@ -36,7 +36,7 @@ test: venv lint
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 # the suite again on the oldest supported torch (2.8.0, what NERSC's containers carry), in a
-# second environment: .venv-compat, the CUDA build from the package index (about 3.5 GB; it
+# second environment: .venv-compat, the CUDA build from the package index (7.8 GB installed; it
 # runs on a CPU). COMPAT_TORCH=2.11.0 make test-compat tries another version.
 COMPAT_VENV  := .venv-compat
 COMPAT_TORCH ?= 2.8.0
