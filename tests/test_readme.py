@@ -459,3 +459,34 @@ def test_a_command_that_trains_nothing_fails(tmp_path):
     check_make(Command(1, "make train"), runner)
     with pytest.raises(AssertionError, match="trained nothing"):
         check_local_python(Command(2, "python train.py --config tiny"), runner)
+
+
+NAMED_IN_FILE = re.compile(r"`(\w+)(?:\.\w+)?` \(`([\w/]+\.py)`")  # "`ShardedSampler` (`utils/sampler.py`)"
+FILE_AND_NAME = re.compile(r"`([\w/]+\.py):(\w+)`")  # "`utils/device.py:nvtx_range`"
+
+
+def defines(path: Path, name: str) -> bool:
+    return bool(re.search(rf"^\s*(def|class) {name}\b|^{name}\s*[:=]", path.read_text(), re.M))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_files_and_names_on_a_page_exist(page):
+    """Every project file a page names exists, and a name it places in a file is defined there
+    (a page once sent readers to utils/data_loader.py for a class in utils/sampler.py)."""
+    text, problems = page.read_text(), []
+    for path in set(re.findall(r"`((?:utils|training|distributed|networks|scripts|tests|exercises)/\w+\.py)",
+                               text)):
+        if not (REPO / path).is_file():
+            problems.append(f"{path}: no such file")
+    for name, path in NAMED_IN_FILE.findall(text) + [(n, p) for p, n in FILE_AND_NAME.findall(text)]:
+        if (REPO / path).is_file() and not defines(REPO / path, name):
+            problems.append(f"{name} is not defined in {path}")
+    assert not problems, f"{page.name}:\n" + "\n".join(problems)
+
+
+def test_a_name_placed_in_the_wrong_file_is_found():
+    wrong = "`ShardedSampler` (`utils/data_loader.py`) and `utils/device.py:nvtx_range`"
+    assert [(n, p) for n, p in NAMED_IN_FILE.findall(wrong)] == [("ShardedSampler", "utils/data_loader.py")]
+    assert not defines(REPO / "utils" / "data_loader.py", "ShardedSampler")
+    assert defines(REPO / "utils" / "sampler.py", "ShardedSampler")
+    assert FILE_AND_NAME.findall(wrong) == [("utils/device.py", "nvtx_range")]
