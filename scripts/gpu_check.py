@@ -21,7 +21,7 @@ OUT/gpu_check_report.md and OUT/gpu_check_report.json hold the versions (torch, 
 NCCL, DALI), the GPU, and every check's result (pass, fail or skipped, with the reason);
 OUT/logs holds each subprocess's output. Exit code 0 when no check failed, 1 otherwise; on a
 machine without CUDA the script stops with one line and exit code 2. It runs with whatever
-python starts it (torch 2.8 to 2.13) and installs nothing.
+python starts it (torch 2.8 to 2.15) and installs nothing.
 """
 
 from __future__ import annotations

@@ -432,6 +432,7 @@ def course_runner(tmp_path_factory) -> Runner:
 
 
 @pytest.mark.slow
+@pytest.mark.course
 @pytest.mark.xdist_group("course")
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
@@ -452,6 +453,7 @@ def test_page_in_order(page, course_runner):
 
 
 @pytest.mark.slow
+@pytest.mark.course
 def test_a_command_that_trains_nothing_fails(tmp_path):
     """Two commands with the same run folder: the second finds the run finished. `make train`
     stands for `python train.py --config tiny`, so that command after it is such a pair."""

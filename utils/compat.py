@@ -1,4 +1,4 @@
-"""Differences between the supported PyTorch versions (2.8 to 2.13), in one place.
+"""Differences between the supported PyTorch versions (2.8 to 2.15), in one place.
 
 Nothing else in the project branches on ``torch.__version__``. Each entry names the
 version that changed the behaviour it papers over.
