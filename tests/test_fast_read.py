@@ -205,3 +205,21 @@ def test_loader_workers_make_batches_in_shared_memory_and_do_not_recycle(cfg_fac
         assert all(t.is_shared() for t in batch)
     assert_same_bits(batch, reference(ds, [0, 1]))
     assert ds._memory.made == ds._memory.reused == 0
+
+
+def test_pinned_batches_give_the_loader_its_memory_back_at_once(cfg_factory, monkeypatch):
+    """On a GPU without workers, batches are pinned (copied into page-locked memory) by Batches,
+    which hands the loader's own batch back right away: the next batch reuses it. Pinning is
+    faked here (a CPU has no page-locked memory to give)."""
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t.clone()) or pinned[-1])
+    loader, ds, sampler = get_data_loader(cfg_factory(), "train", 4, train=True, pin_memory=True)
+    assert not loader.pin_memory  # left to Batches
+    batches = Batches(loader, sampler, pin_memory=True)
+    batches.set_epoch(0)
+    got = list(batches)  # the consumer keeps every (pinned) batch: they must stay intact
+    n = sampler.batches_per_epoch()
+    assert len(got) == n and len(pinned) == 2 * n and ds._memory.made == 2
+    order = list(sampler)
+    for b, batch in enumerate(got):
+        assert_same_bits(batch, reference(ds, order[4 * b : 4 * (b + 1)]))

@@ -93,10 +93,11 @@ class Trainer:
 
             return DALIBatches(self.cfg, split, self.local_batch, train, num_shards=self.ctx.dp_size,
                                shard_id=self.ctx.dp_rank, device=self.device)
+        pin = self.device.type == "cuda"  # page-locked batches: the copy to the GPU runs async
         loader, _, sampler = get_data_loader(
             self.cfg, split, self.local_batch, train, num_shards=self.ctx.dp_size,
-            shard_id=self.ctx.dp_rank, pin_memory=self.device.type == "cuda")
-        return Batches(loader, sampler)
+            shard_id=self.ctx.dp_rank, pin_memory=pin)
+        return Batches(loader, sampler, pin_memory=pin)
 
     def build_model(self) -> nn.Module:
         """The serial model from the seed (the same weights in every layout), then this rank's part."""

@@ -141,15 +141,24 @@ class Batches:
     iteration over (input, target) batches, and ``batches_per_epoch``.
     """
 
-    def __init__(self, loader: DataLoader, sampler: ShardedSampler) -> None:
+    def __init__(self, loader: DataLoader, sampler: ShardedSampler, pin_memory: bool = False) -> None:
         self.loader, self.sampler = loader, sampler
         self.batches_per_epoch = sampler.batches_per_epoch()
+        # without workers the batches are pinned here (get_data_loader leaves it to us): the
+        # loader's own memory then goes back for the next batch as soon as it is copied
+        self.pin_here = pin_memory and loader.num_workers == 0
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.sampler.set_epoch(epoch, start_batch)
 
     def __iter__(self):
-        return iter(self.loader)
+        return self._pinned() if self.pin_here else iter(self.loader)
+
+    def _pinned(self):
+        for inp, tar in self.loader:
+            pinned = inp.pin_memory(), tar.pin_memory()
+            self.loader.dataset.give_back(inp, tar)
+            yield pinned
 
     def give_back(self, inp: torch.Tensor, tar: torch.Tensor) -> None:
         """The training loop is done with this batch: its memory may hold the next one. Batches
@@ -201,7 +210,8 @@ def get_data_loader(cfg: Config, split: str, local_batch_size: int, train: bool,
         batch_size=local_batch_size,
         sampler=sampler,
         num_workers=workers,
-        pin_memory=pin_memory,
+        # workers: a thread of the DataLoader pins; without, Batches does (see there)
+        pin_memory=pin_memory and workers > 0,
         persistent_workers=workers > 0,
         worker_init_fn=ignore_in_worker,
         collate_fn=already_batched,  # ERA5Dataset.__getitems__ returns whole batches
