@@ -6,6 +6,7 @@ Environment variables (all optional):
   DDP_TEST_SIGNAL_AT=R:S  rank R sends itself SIGUSR1 during its step S
   DDP_TEST_SIGNAL=INT     ... that signal instead (TERM, INT, USR1, USR2)
   DDP_TEST_SIGNAL_TWICE=1 ... twice in a row, as a launcher forwarding a group signal does
+  DDP_TEST_SIGNAL_GROUP=1 ... to its whole process group (loader workers included)
   DDP_TEST_MODEL_PARALLEL=1  run as train_mp.py (model-parallel sizes allowed)
   DDP_TEST_READONLY=DIR   every rank but 0 fails if it opens a file under DIR for writing
   DDP_TEST_EXIT_AT=R:S    rank R exits at once (status 1, nothing cleaned up) in its step S, in the
@@ -70,7 +71,10 @@ class FaultyTrainer(Trainer):
         if self.step == self.signal_at:
             sig = signal.Signals["SIG" + os.environ.get("DDP_TEST_SIGNAL", "USR1")]
             for _ in range(2 if os.environ.get("DDP_TEST_SIGNAL_TWICE") else 1):
-                os.kill(os.getpid(), sig)
+                if os.environ.get("DDP_TEST_SIGNAL_GROUP"):  # as Slurm does: every process of the job
+                    os.killpg(os.getpgrp(), sig)
+                else:
+                    os.kill(os.getpid(), sig)
         loss = super().train_step(inp, tar)
         if self.step == self.nan_at:
             return torch.full_like(loss, float("nan"))

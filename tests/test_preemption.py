@@ -115,3 +115,40 @@ def test_loader_workers_survive_a_stop_signal(cfg_factory, handlers):
         os.kill(worker.pid, signal.SIGTERM)
     time.sleep(0.5)
     assert sum(1 for _ in batches) > 0  # without ignore_in_worker: "DataLoader worker exited unexpectedly"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_group_signal_to_a_dali_run_with_spawned_workers_checkpoints_and_resumes(data_dir, tmp_path):
+    """Slurm's USR1 reaches every process of the job, DALI's workers too. On a GPU DALI spawns
+    them (fresh interpreters with the default action for USR1: death); here they are spawned
+    as well (with workers that die, this run hung waiting for them). The run must checkpoint
+    after the signalled step, exit with the stop status, and resume to the losses of a run
+    that was never stopped."""
+    pytest.importorskip("nvidia.dali")
+    from tests.ddp_helpers import metrics, run_dir, train_args, write_test_yaml
+
+    yaml = write_test_yaml(tmp_path / "t.yaml")
+
+    def train(expdir, **flags) -> subprocess.CompletedProcess:
+        args = train_args(yaml, data_dir, expdir, num_iters=8, stop_check_every=4, **flags)
+        return subprocess.run([sys.executable, str(REPO / "tests" / "ddp_worker.py"), *args], cwd=REPO,
+                              env=subprocess_env(**signalled), capture_output=True, text=True, timeout=90,
+                              start_new_session=True)  # its own process group, as a Slurm step
+
+    signalled = {}
+    reference = train(tmp_path / "ref")  # the PyTorch loader gives DALI's bits (test_dali.py)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    dali = {"data_loader_config": "dali", "num_data_workers": 2, "dali_start_method": "spawn"}
+    signalled = {"DDP_TEST_SIGNAL_AT": "0:2", "DDP_TEST_SIGNAL_GROUP": "1"}
+    first = train(tmp_path / "logs", **dali)
+    assert first.returncode == preemption.EXIT_STOPPED, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "stop signal (SIGUSR1): stopping at step 3 of 8" in first.stdout
+    signalled = {}
+    second = train(tmp_path / "logs", **dali)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resumed from" in second.stdout
+    got, want = metrics(run_dir(tmp_path / "logs", 1)), metrics(run_dir(tmp_path / "ref", 1))
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for a, b in zip(got, want):
+        assert (a["train_loss"], a["val_loss"]) == (b["train_loss"], b["val_loss"])

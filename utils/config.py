@@ -59,6 +59,9 @@ class Config:
     limit_nsamples_val: int | None = key(None, "use only the first N validation samples", "data")
     num_data_workers: int = key(0, "DataLoader workers (0 = load in the main process)", "data")
     data_loader_config: str = key("pytorch", "data loader", "data", choices=DATA_LOADERS)
+    dali_start_method: str = key("auto", "how DALI starts its worker processes: auto (spawn on a GPU, "
+                                 "where forking after CUDA starts is unsafe; fork on a CPU), fork or "
+                                 "spawn", "data", choices=("auto", "fork", "spawn"))
     # optimisation
     num_iters: int = key(30000, "optimizer steps to train", "optimisation")
     global_batch_size: int = key(16, "samples per optimizer step over all data-parallel ranks",
@@ -152,7 +155,8 @@ class Config:
 # Keys a resumed run may change (training/run_dir.py): how data is loaded, profiled, checkpointed,
 # recomputed and laid out, and num_iters to extend a run. The others change the mathematics.
 MAY_CHANGE_ON_RESUME = frozenset({
-    "num_iters", "data_dir", "num_data_workers", "data_loader_config", "expdir", "checkpoint_every",
+    "num_iters", "data_dir", "num_data_workers", "data_loader_config", "dali_start_method", "expdir",
+    "checkpoint_every",
     "stop_check_every", "profile_epoch", "profile_start_step", "profile_num_steps", "profile",
     "enable_fused", "enable_jit", "tensor_parallel", "context_parallel", "parallel_order",
     "bucket_cap_mb", "disable_broadcast_buffers", "rendezvous_timeout_s", "collective_timeout_s",

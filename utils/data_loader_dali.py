@@ -22,6 +22,7 @@ import torch
 from utils import device as dev
 from utils.config import Config
 from utils.data_loader import DataError, ERA5Dataset, ShardedSampler, get_data_loader
+from utils.signals import ignore_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,13 @@ class BatchSource:
         bs = self.sampler.batch_size
         return self.indices(dali_epoch)[batch * bs : (batch + 1) * bs]
 
+    def __setstate__(self, state: dict) -> None:
+        """Runs in each worker that DALI spawns (a fresh interpreter, default signal actions,
+        which would end it on Slurm's USR1 or TERM): the stop signals are ignored there, as in
+        the PyTorch loader's workers. Forked workers inherit the trainer's handlers instead."""
+        self.__dict__.update(state)
+        ignore_stop_signals()
+
     def __call__(self, info) -> tuple[list[np.ndarray], list[np.ndarray]]:
         chosen = self.batch_indices(info.epoch_idx, info.iteration)
         if not chosen:
@@ -94,6 +102,7 @@ class DALIBatches:
         self.batch_size = local_batch_size
         self.device = device or torch.device("cpu")
         self.workers = cfg.num_data_workers
+        self.start_method = cfg.dali_start_method
         self.num_threads = num_threads or max(1, torch.get_num_threads())
         self.shuffle, self.drop_last = train, train
         self.batches_per_epoch = self.sampler.batches_per_epoch()
@@ -121,7 +130,8 @@ class DALIBatches:
         options: dict[str, Any] = {}
         if parallel:
             # forking after CUDA is initialised is unsafe; spawn pickles the source instead
-            options = {"py_num_workers": self.workers, "py_start_method": "spawn" if on_gpu else "fork"}
+            start = self.start_method if self.start_method != "auto" else "spawn" if on_gpu else "fork"
+            options = {"py_num_workers": self.workers, "py_start_method": start}
 
         @dali.pipeline_def(batch_size=self.batch_size, num_threads=self.num_threads,
                            device_id=self.device.index if on_gpu else None,

@@ -54,12 +54,17 @@ def _handler(signum: int, frame) -> None:
     os.kill(os.getpid(), signum)
 
 
-def ignore_in_worker(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: stop signals are the training process's business. Slurm
-    signals every process of the step, and torch's worker handler would end a worker on
-    SIGTERM, which fails the loader before the checkpoint can be written."""
+def ignore_stop_signals() -> None:
+    """In a loader's worker process: stop signals are the training process's business. Slurm
+    signals every process of the step; a worker that died of it (the default action of TERM
+    and USR1) fails the loader before the checkpoint can be written."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def ignore_in_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn`` (torch's own worker handler would end a worker on SIGTERM)."""
+    ignore_stop_signals()
 
 
 def install_handlers(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
