@@ -22,7 +22,20 @@ def test_more_local_ranks_than_gpus_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(dev, "cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="2 ranks on this node but 1 visible GPU"):
-        dev.pick_device(local_rank=1, local_world_size=2)
+        dev.pick_device(local_rank=1, local_world_size=2, environ={})
+    with pytest.raises(ValueError, match="2 ranks on this node but 1 visible GPU"):  # torchrun in srun
+        dev.pick_device(local_rank=1, local_world_size=2,
+                        environ={"SLURM_STEP_ID": "0", "TORCHELASTIC_RUN_ID": "x"})
+
+
+def test_an_srun_task_bound_to_one_gpu_takes_it_whatever_its_local_rank(monkeypatch):
+    """`--gpus-per-task=1`: each of the node's 4 tasks sees only its own GPU, as GPU 0."""
+    chosen = []
+    monkeypatch.setattr(dev, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    device = dev.pick_device(local_rank=3, local_world_size=4, environ={"SLURM_STEP_ID": "0"})
+    assert device == torch.device("cuda", 0) and chosen == [0]
 
 
 def test_rng_state_saves_only_this_ranks_gpu(monkeypatch):

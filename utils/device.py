@@ -23,15 +23,28 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def pick_device(local_rank: int = 0, local_world_size: int = 1) -> torch.device:
+def slurm_task(environ: dict[str, str] | None = None) -> bool:
+    """Whether this process is a task of an srun step (not a rank that torchrun started inside
+    one): Slurm then gives it CPUs (and, with --gpus-per-task, a GPU) of its own."""
+    env = os.environ if environ is None else environ
+    return "SLURM_STEP_ID" in env and "TORCHELASTIC_RUN_ID" not in env
+
+
+def pick_device(local_rank: int = 0, local_world_size: int = 1,
+                environ: dict[str, str] | None = None) -> torch.device:
     """The GPU of this local rank when CUDA is there, else the CPU.
 
     One GPU per rank: two ranks on one GPU fail in NCCL (or run slowly and share memory),
-    so more ranks on a node than visible GPUs is a user mistake, reported in one line.
+    so more ranks on a node than visible GPUs is a user mistake, reported in one line. An
+    srun task that sees exactly one GPU was given it (`--gpus-per-task=1` binds each task to
+    its own GPU, which it sees as GPU 0), so it takes that one whatever its local rank.
     """
     if not cuda_available():
         return torch.device("cpu")
     count = torch.cuda.device_count()
+    if count == 1 and local_world_size > 1 and slurm_task(environ):
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
     if local_world_size > count:
         raise ValueError(f"{local_world_size} ranks on this node but {count} visible GPU(s) "
                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
@@ -57,8 +70,7 @@ def cpu_threads(ranks_on_node: int, environ: dict[str, str] | None = None) -> in
     """Threads for torch's CPU work in this rank. A task of an srun step has CPUs of its own
     (the submit scripts give each task `-c` CPUs, bound); ranks that torchrun (or a plain
     start) put on one node share the CPUs they all see, so they split them."""
-    env = os.environ if environ is None else environ
-    own = "SLURM_STEP_ID" in env and "TORCHELASTIC_RUN_ID" not in env
+    own = slurm_task(environ)
     return max(1, usable_cpus() if own else usable_cpus() // max(1, ranks_on_node))
 
 
