@@ -23,8 +23,11 @@ re-implemented) for ``--warmup`` + ``--steps`` steps and reports
 * the data loader alone (no model) against a plain h5py read of the same samples.
 
 A bare PyTorch loop over the same model and one batch held in memory (no loader, no
-logging, no scheduler) is the reference. Results go to OUT_DIR/benchmark.json and
-OUT_DIR/benchmark.md.
+logging, no scheduler), with the rung's precision, Adam kernel, compilation and attention
+kernel, is the reference: it runs right after each rung (the same state of the process and
+the machine), and ``vs bare`` is the rung's samples/s over it. The attention table times
+one attention call per kernel and dtype (utils/attention.py). Results go to
+OUT_DIR/benchmark.json and OUT_DIR/benchmark.md.
 """
 
 from __future__ import annotations
@@ -54,8 +57,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from networks.vit import build_vit  # noqa: E402
 from training.context import RunContext
 from training.trainer import Trainer  # noqa: E402
+from utils import attention  # noqa: E402
 from utils import device as dev  # noqa: E402
-from utils.config import DEFAULT_YAML, Config, load_config, with_overrides  # noqa: E402
+from utils.config import ATTENTION_KERNELS, DEFAULT_YAML, Config, load_config, with_overrides  # noqa: E402
 from utils.metrics import relative_l2_loss  # noqa: E402
 
 # name -> settings added on top of the rung before
@@ -458,13 +462,35 @@ def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
         "memory_kind": mem_kind,
         "mfu": flops * samples_per_sec / peaks[cfg.amp_mode],
         "loader": loader_cache[loader_key],
+        "attention_kernel": trainer.attention_kernel,
         "mean_train_loss": float(trainer.epoch_loss.item() / max(1, trainer.epoch_steps)),
     }
 
 
+def attention_table(cfg: Config, batch: int, device: torch.device, amp: str) -> list[dict[str, Any]]:
+    """Forward and backward of one attention call of the model (the whole batch) per kernel
+    and dtype, and which kernel ``attention_kernel: auto`` takes for that dtype."""
+    shape, kv_len = attention.call_shape(cfg, batch)
+    rows = []
+    for mode in ("none", amp):
+        chosen = attention.choose("auto", device, DTYPES[mode], shape, kv_len)
+        for name, (fwd, bwd) in attention.time_kernels(shape, kv_len, DTYPES[mode], device).items():
+            rows.append({"dtype": "fp32" if mode == "none" else mode, "kernel": name,
+                         "forward_ms": 1e3 * fwd, "backward_ms": 1e3 * bwd, "chosen": name == chosen})
+    return rows
+
+
+BareKey = tuple[str, bool, bool]  # (amp_mode, enable_fused, enable_jit): what the bare loop varies
+
+
+def bare_key(cfg: Config) -> BareKey:
+    return cfg.amp_mode, cfg.enable_fused, cfg.enable_jit
+
+
 def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[str, float],
               amp: str, fused: bool, jit: bool) -> dict[str, Any]:
-    """The reference: the same model and one batch from memory, nothing around the step."""
+    """The reference: the same model and one batch from memory, nothing around the step. It
+    runs the attention kernel the trainer chooses for these settings (utils/attention.py)."""
     device = opts.device
     torch.manual_seed(cfg.seed)
     model = build_vit(cfg).to(device)
@@ -476,9 +502,11 @@ def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[
     h, w = cfg.img_size
     inp = torch.randn(batch, cfg.n_in_channels, h, w, device=device)
     tar = torch.randn(batch, cfg.n_out_channels, h, w, device=device)
+    shape, kv_len = attention.call_shape(cfg, batch)
+    kernel = attention.choose(cfg.attention_kernel, device, DTYPES[amp], shape, kv_len)
 
     def step() -> None:
-        with dev.autocast(device, amp):
+        with dev.autocast(device, amp), attention.kernel(kernel):
             pred = forward(inp)
         loss_fn(pred.float(), tar).backward()
         opt.step()
@@ -494,7 +522,7 @@ def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[
     rate = opts.steps * batch / (time.perf_counter() - t0)
     return {"name": f"bare loop ({amp}{', fused' if fused else ''}{', compile' if jit else ''})",
             "settings": {"amp_mode": amp, "enable_fused": fused, "enable_jit": jit},
-            "samples_per_sec": rate, "mfu": flops * rate / peaks[amp]}
+            "attention_kernel": kernel, "samples_per_sec": rate, "mfu": flops * rate / peaks[amp]}
 
 
 # ------------------------------------------------------------------- output ---
@@ -512,9 +540,9 @@ def markdown(report: dict[str, Any]) -> str:
                      "runs fp32 matmuls; +graphs replays its whole step as one graph (its time shows "
                      "under forward).")
     lines += ["",
-             "| rung | samples/s | step ms | data wait | forward | backward | optimizer | peak mem MB "
-             "| MFU | loader alone / raw h5py | warm-up s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| rung | samples/s | bare loop | vs bare | step ms | data wait | forward | backward | optimizer "
+             "| peak mem MB | MFU | attention | loader alone / raw h5py | warm-up s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rungs"]:
         b = r["breakdown_ms"]
         mem = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r["peak_memory_bytes"] else "n/a"
@@ -523,13 +551,23 @@ def markdown(report: dict[str, Any]) -> str:
             phases = f"replay {b['graph replay']:.0f} | - | -"
         else:
             phases = " | ".join(f"{b.get(k, float('nan')):.0f}" for k in ("forward", "backward", "optimizer"))
+        vs_bare = (f"{r['bare_samples_per_sec']:.2f} | {r['vs_bare']:.2f}x" if "vs_bare" in r
+                   else "- | -")
         lines.append(
-            f"| {r['name']} | {r['samples_per_sec']:.2f} | {r['step_ms']:.0f} | {b['data_wait']:.0f} "
-            f"| {phases} | {mem} | {100 * r['mfu']:.1f}% "
+            f"| {r['name']} | {r['samples_per_sec']:.2f} | {vs_bare} | {r['step_ms']:.0f} | {b['data_wait']:.0f} "
+            f"| {phases} | {mem} | {100 * r['mfu']:.1f}% | {r['attention_kernel']} "
             f"| {ld['samples_per_sec']:.0f} / {ld['raw_h5py_samples_per_sec']:.0f} "
             f"({100 * ld['ratio_to_raw']:.0f}%) | {r['warmup_seconds']:.1f} |")
-    for r in report["bare"]:
-        lines.append(f"| {r['name']} | {r['samples_per_sec']:.2f} | | | | | | | {100 * r['mfu']:.1f}% | | |")
+    if report.get("attention"):
+        shape = report["attention_shape"]
+        lines += ["", f"One attention call of the model, queries and keys {shape} (batch, heads, "
+                      "tokens, head dim), median of 3; `default` is torch's own pick, **bold** the "
+                      "kernel `attention_kernel: auto` takes (fp32: always torch's pick):", "",
+                  "| dtype | kernel | forward ms | backward ms | total ms |", "|---|---|---|---|---|"]
+        for a in report["attention"]:
+            name = f"**{a['kernel']}**" if a["chosen"] else a["kernel"]
+            lines.append(f"| {a['dtype']} | {name} | {a['forward_ms']:.2f} | {a['backward_ms']:.2f} "
+                         f"| {a['forward_ms'] + a['backward_ms']:.2f} |")
     best = report.get("best")
     if best:
         lines += ["", f"Best rung: {best['name']}, {best['samples_per_sec_vs_bare']:.0%} of the bare loop "
@@ -570,6 +608,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no_bare", action="store_true", help="skip the bare-loop reference")
     p.add_argument("--batch", type=int, help="global batch (default: the config's); smaller for a "
                                              "quick look on a slow machine")
+    p.add_argument("--attention_kernel", choices=ATTENTION_KERNELS,
+                   help="attention kernel of every rung and bare loop (default: the config's, auto)")
     p.add_argument("--matmul_size", type=int, default=2048,
                    help="matmul peak: best of n/2, n and 2n square matmuls")
     p.add_argument("--out_dir", type=Path, default=Path("logs/benchmark"))
@@ -596,6 +636,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             base = with_overrides(base, data_dir=args.data_dir)
         if args.batch is not None:
             base = with_overrides(base, global_batch_size=args.batch)
+        if args.attention_kernel is not None:
+            base = with_overrides(base, attention_kernel=args.attention_kernel)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     batch = base.global_batch_size
@@ -608,7 +650,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     flops = flops_per_sample(base, batch, device)
     peaks = measure_peaks(device, args.amp, args.matmul_size)
-    rungs, loader_cache = [], {}
+    kernels = attention_table(base, batch, device, args.amp)
+    rungs, bare, loader_cache = [], [], {}
     if "+graphs" in names and device.type != "cuda":
         print("skipping +graphs: CUDA Graphs need a GPU", file=sys.stderr)
     # every rung from +DALI on reads through DALI, whether +DALI itself is asked for or not
@@ -621,6 +664,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for i, (name, cfg) in enumerate(configs):
         print(f"rung {i + 1}/{len(configs)} {name} ...", file=sys.stderr, flush=True)
         rungs.append(run_rung(name, cfg, opts, batch, flops, peaks, loader_cache))
+        if not args.no_bare:  # right after the rung: the same state of the process and machine
+            bare.append(bare_loop(base, batch, opts, flops, peaks, *bare_key(cfg)))
+            rungs[-1]["bare_samples_per_sec"] = bare[-1]["samples_per_sec"]
+            rungs[-1]["vs_bare"] = rungs[-1]["samples_per_sec"] / bare[-1]["samples_per_sec"]
         pace, remaining = (time.perf_counter() - started) / (i + 1), configs[i + 1 :]
         left = f", about {pace * len(remaining):.0f} s left at this pace" if remaining else ""
         if any(c.enable_jit for _, c in remaining):
@@ -632,19 +679,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": torch.get_num_threads(), "flops_per_sample": flops,
         "load_average_1min_at_end": os.getloadavg()[0],  # other work on the machine skews everything
         "matmul_peak_flops": {("fp32" if k == "none" else k): v for k, v in peaks.items()},
-        "rungs": rungs, "bare": [],
+        "attention": kernels, "attention_shape": list(attention.call_shape(base, batch)[0]),
+        "rungs": rungs, "bare": bare,
     }
     if rungs and not args.no_bare:
         best = max(rungs, key=lambda r: r["samples_per_sec"])
         s = best["settings"]
-        reference = bare_loop(base, batch, opts, flops, peaks, s["amp_mode"], s["enable_fused"],
-                              s["enable_jit"])
-        report["bare"].append(reference)
-        if (s["amp_mode"], s["enable_fused"], s["enable_jit"]) != ("none", False, False):
-            report["bare"].append(bare_loop(base, batch, opts, flops, peaks, "none", False, False))
         report["best"] = {
             "name": best["name"], "samples_per_sec": best["samples_per_sec"],
-            "samples_per_sec_vs_bare": best["samples_per_sec"] / reference["samples_per_sec"],
+            "samples_per_sec_vs_bare": best["vs_bare"],
             "mfu": best["mfu"], "dtype": "fp32" if s["amp_mode"] == "none" else s["amp_mode"],
             "loader_ratio_to_raw": best["loader"]["ratio_to_raw"],
         }

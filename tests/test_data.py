@@ -223,3 +223,35 @@ print("iterated", flush=True)
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "iterated", result.stderr
     assert "Traceback" not in result.stderr and "exited unexpectedly" not in result.stderr, result.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc/self/task")
+def test_loader_work_stays_on_one_thread_whatever_torch_has(tmp_path):
+    """Loading in the training process (0 workers) with torch allowed 8 threads: normalising a
+    batch must not start torch's thread pool (on a busy machine those threads fight the model's
+    for the cores). A 64 x 128 grid makes each step large enough for torch to go parallel, and
+    the script shows that a torch operation of the same size does start the pool."""
+    code = f"""
+import os, pathlib, torch
+from scripts.make_synthetic_era5 import generate
+from tests.conftest import make_cfg
+from utils.data_loader import get_data_loader
+torch.set_num_threads(8)
+generate(pathlib.Path({str(tmp_path)!r}), (64, 128), 6, {{"train": [2016], "valid": [2017], "test": [2018]}}, seed=0,
+         quiet=True)
+cfg = make_cfg({str(tmp_path)!r}, {str(tmp_path)!r}, img_size=(64, 128), num_data_workers=0)
+threads = lambda: len(os.listdir("/proc/self/task"))
+before = threads()
+loader, _, _ = get_data_loader(cfg, "train", 2, True)
+for _ in loader:
+    pass
+after = threads()
+torch.ones(20, 64, 128).sub_(1.0)  # what the loader did before
+print(before, after, threads())
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    before, after, with_torch_op = map(int, result.stdout.split())
+    assert after == before, f"loading started {after - before} threads"
+    assert with_torch_op > after, "torch did not go parallel here: the test cannot see the loader's threads"

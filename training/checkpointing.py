@@ -28,6 +28,7 @@ from distributed.env import all_reduce_sum
 from distributed.sharding import local, local_optimizer
 from training import sharded_checkpoint as sharded
 from training.context import TrainingError
+from utils import attention
 from utils import checkpoint as ckpt
 from utils import device as dev
 
@@ -65,6 +66,7 @@ def trainer_state(trainer: Trainer, tensors: bool = True) -> dict[str, Any]:
         "scheduler": trainer.scheduler.state_dict(),
         "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
         "step": trainer.step,
+        "attention_kernel": trainer.attention_kernel,
         "epoch_loss_sum": epoch_loss,  # summed over data-parallel ranks...
         "epoch_loss_ranks": trainer.ctx.dp_size,  # ...of which there were this many
         "epoch_steps": trainer.epoch_steps,
@@ -167,6 +169,7 @@ def load(trainer: Trainer, path: Path) -> None:
     if trainer.scaler and state["scaler"]:
         trainer.scaler.load_state_dict(state["scaler"])
     trainer.step = state["step"]
+    keep_attention_kernel(trainer, state.get("attention_kernel"))
     # the epoch's loss sum so far goes to one rank, so the epoch-end reduction counts it once;
     # rescaled from the data-parallel ranks that summed it to those that will average it
     ranks = state.get("epoch_loss_ranks", trainer.ctx.dp_size)
@@ -177,6 +180,17 @@ def load(trainer: Trainer, path: Path) -> None:
     np.random.set_state(state["rng"]["numpy"])
     random.setstate(state["rng"]["python"])
     log.info("resumed from %s at step %d", path, trainer.step)
+
+
+def keep_attention_kernel(trainer: Trainer, kernel: str | None) -> None:
+    """With ``attention_kernel: auto``, continue on the kernel the run chose when it started
+    (timed again, it could come out otherwise and the resumed run would not be exact)."""
+    if trainer.cfg.attention_kernel != "auto" or kernel in (None, trainer.attention_kernel):
+        return
+    if kernel in attention.CUDA_ONLY and trainer.device.type != "cuda":
+        return  # a GPU run continued on a CPU: keep this device's own choice
+    log.info("attention kernel %s, as the run chose at its start", kernel)
+    trainer.attention_kernel = kernel
 
 
 def trim_metrics(run_dir: Path, step: int) -> None:

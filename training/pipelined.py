@@ -58,13 +58,13 @@ class PipelineTrainer(Trainer):
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         # the schedule runs forward and backward: autocast covers both, which is harmless (the
         # backward of each operation runs in the dtype its forward chose)
-        with dev.nvtx_range("pipeline schedule"), dev.autocast(self.device, self.amp_mode):
+        with dev.nvtx_range("pipeline schedule"), self.compute():
             loss = self.model.step(inp, tar)
         self.optimizer_step()
         return loss
 
     def predict(self, inp: torch.Tensor) -> torch.Tensor | None:
-        with dev.autocast(self.device, self.amp_mode):
+        with self.compute():
             return self.model.forward(inp)
 
     def metric_groups(self) -> list[Any]:

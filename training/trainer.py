@@ -10,6 +10,7 @@ subclass it (training/graphs.py: CUDA Graphs).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -28,6 +29,7 @@ from distributed.tags import unwrap
 from networks.vit import build_vit, count_parameters
 from training import checkpointing, reporting, validation
 from training.context import RunContext, TrainingError
+from utils import attention
 from utils import checkpoint as ckpt
 from utils import device as dev
 from utils.config import Config
@@ -69,6 +71,7 @@ class Trainer:
         self.model = self.build_model()
         self.raw_model = unwrap(self.model)
         self.amp_mode = sharding.autocast_mode(cfg, ctx.mesh)  # FSDP's bf16 is its own policy
+        self.attention_kernel = self.choose_attention_kernel()  # a resumed run keeps its own
         # FSDP alone writes sharded checkpoints; with tp its tensors are tp slices, consolidated
         self.sharded_checkpoints = sharding.fsdp_active(cfg, ctx.mesh) and not ctx.mesh.model_parallel
         self.loss_fn = torch.compile(relative_l2_loss) if cfg.enable_jit else relative_l2_loss
@@ -109,6 +112,15 @@ class Trainer:
                      count_parameters(unwrap(model)), self.n_params)
         return model
 
+    def choose_attention_kernel(self) -> str:
+        """The attention kernel for this run's device and precision (utils/attention.py), timed
+        on the shape of this rank's attention calls."""
+        cfg, mesh = self.cfg, self.ctx.mesh
+        shape, kv_len = attention.call_shape(cfg, self.local_batch // cfg.grad_accum_steps,
+                                             mesh.size("tp"), mesh.size("cp"))
+        dtype = dev.AMP_DTYPES[cfg.amp_mode] or torch.float32
+        return attention.choose(cfg.attention_kernel, self.device, dtype, shape, kv_len)
+
     def build_optimizer(self) -> torch.optim.Optimizer:
         return sharding.build_optimizer(self.model, self.cfg, self.ctx.mesh,
                                         dev.adam_kernel(self.cfg.enable_fused))
@@ -116,8 +128,16 @@ class Trainer:
     # --------------------------------------------------------------------- steps ---
     autocast_cache = True  # CUDA graph capture needs it off
 
+    def compute(self, cache_enabled: bool = True) -> contextlib.ExitStack:
+        """Where forward passes run: autocast to the run's precision, and its attention kernel
+        (backward follows the kernels that forward chose)."""
+        region = contextlib.ExitStack()
+        region.enter_context(dev.autocast(self.device, self.amp_mode, cache_enabled=cache_enabled))
+        region.enter_context(attention.kernel(self.attention_kernel))
+        return region
+
     def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        with dev.autocast(self.device, self.amp_mode, cache_enabled=self.autocast_cache):
+        with self.compute(cache_enabled=self.autocast_cache):
             pred = self.model(inp)
         return self.loss_fn(pred.float(), tar)
 
@@ -188,7 +208,7 @@ class Trainer:
         return bool(every) and self.step % every == 0 and self.step < self.cfg.num_iters
 
     def predict(self, inp: torch.Tensor) -> torch.Tensor | None:
-        with dev.autocast(self.device, self.amp_mode):
+        with self.compute():
             return self.model(inp)
 
     def metric_groups(self) -> list[Any]:

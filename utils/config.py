@@ -28,6 +28,7 @@ DATA_LOADERS = ("pytorch", "dali")
 LR_SCHEDULES = ("cosine", "constant")
 OPTIMIZERS = ("Adam",)
 DATA_PARALLEL = ("ddp", "zero1", "fsdp")
+ATTENTION_KERNELS = ("auto", "default", "flash", "efficient", "cudnn", "math")  # utils/attention.py
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ADAM_BETAS = (0.9, 0.95)  # beta2 0.95, as the tutorial: steadier with large batches
 
@@ -75,6 +76,10 @@ class Config:
     optimizer_type: str = key("Adam", "optimizer", "optimisation", choices=OPTIMIZERS)
     adam_betas: tuple[float, float] = key(ADAM_BETAS, "Adam's beta1 and beta2", "optimisation")
     amp_mode: str = key("none", "mixed precision", "optimisation", choices=AMP_MODES)
+    attention_kernel: str = key("auto", "scaled-dot-product-attention kernel: auto (bf16/fp16: the "
+                                "fastest, timed at start-up; fp32: torch's pick), default (torch's "
+                                "pick), flash, efficient, cudnn or math", "optimisation",
+                                choices=ATTENTION_KERNELS)
     enable_fused: bool = key(False, "fused Adam (--no-enable_fused to switch off)", "optimisation")
     enable_jit: bool = key(False, "torch.compile the model and loss (--no-enable_jit to switch off)",
                            "optimisation")
@@ -158,7 +163,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "num_iters", "data_dir", "num_data_workers", "data_loader_config", "dali_start_method", "expdir",
     "checkpoint_every",
     "stop_check_every", "profile_epoch", "profile_start_step", "profile_num_steps", "profile",
-    "enable_fused", "enable_jit", "tensor_parallel", "context_parallel", "parallel_order",
+    "enable_fused", "enable_jit", "attention_kernel", "tensor_parallel", "context_parallel", "parallel_order",
     "bucket_cap_mb", "disable_broadcast_buffers", "rendezvous_timeout_s", "collective_timeout_s",
     "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",
     "pipeline_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",

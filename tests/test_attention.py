@@ -1,0 +1,121 @@
+"""The attention kernel: chosen once per device and precision, applied to every forward, kept on
+resume, refused in one line where the device lacks it (utils/attention.py)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import REPO  # noqa: F401  (puts the repository on sys.path)
+from training.checkpointing import keep_attention_kernel
+from training.context import RunContext
+from training.trainer import Trainer
+from utils import attention
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices(monkeypatch):
+    monkeypatch.setattr(attention, "_chosen", {})
+
+
+def test_fp32_keeps_torch_choice_without_timing(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("fp32 must not time the kernels")
+
+    monkeypatch.setattr(attention, "time_kernels", fail)
+    assert attention.choose("auto", CPU, torch.float32, (4, 2, 8, 4), 8) == "default"
+    assert attention.choose("math", CPU, torch.bfloat16, (4, 2, 8, 4), 8) == "math"  # a name: as given
+
+
+def test_the_fastest_wins_only_by_the_margin():
+    assert attention.fastest({"default": 10.0, "flash": 10.0, "math": 5.0}) == "math"
+    assert attention.fastest({"default": 10.0, "flash": 10.0, "math": 9.0}) == "default"
+    assert attention.fastest({"default": 10.0, "flash": 2.0, "math": 9.0}) == "flash"
+    assert attention.fastest({"default": 1.0}) == "default"
+
+
+def test_auto_times_once_per_process_and_shape(monkeypatch):
+    answers = iter([{"default": (4.0, 4.0), "flash": (4.0, 4.0), "math": (1.0, 1.0)},
+                    {"default": (1.0, 1.0), "flash": (1.0, 1.0), "math": (4.0, 4.0)}])
+    monkeypatch.setattr(attention, "time_kernels", lambda *args, **kwargs: next(answers))
+    first = attention.choose("auto", CPU, torch.bfloat16, (4, 2, 8, 4), 8)
+    # a second trainer in this process (a test, the benchmark's bare loop) runs the same kernel
+    assert first == attention.choose("auto", CPU, torch.bfloat16, (4, 2, 8, 4), 8) == "math"
+    assert attention.choose("auto", CPU, torch.bfloat16, (4, 2, 16, 4), 16) == "default"
+
+
+def test_cpu_kernels_are_timed_forward_and_backward():
+    times = attention.time_kernels((2, 2, 16, 8), 16, torch.bfloat16, CPU, reps=1)
+    assert {"default", "flash", "math"} <= set(times) and not {"efficient", "cudnn"} & set(times)
+    assert all(f > 0 and b > 0 for f, b in times.values())
+
+
+def _attention_ops(trainer: Trainer, cfg) -> set[str]:
+    inp = torch.randn(2, cfg.n_in_channels, *cfg.img_size)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        trainer.forward_loss(inp, torch.randn(2, cfg.n_out_channels, *cfg.img_size)).backward()
+    return {e.name for e in prof.events() if "scaled_dot_product" in e.name}
+
+
+@pytest.mark.parametrize("amp_mode", ["none", "bf16"])
+def test_the_trainer_runs_its_kernel(cfg_factory, tmp_path, amp_mode):
+    """Forward (and so backward) under the trainer's region takes the configured kernel."""
+    for name, op in (("math", "aten::_scaled_dot_product_attention_math"),
+                     ("flash", "aten::_scaled_dot_product_flash_attention_for_cpu")):
+        cfg = cfg_factory(attention_kernel=name, amp_mode=amp_mode)
+        trainer = Trainer(cfg, RunContext(device=CPU, run_dir=tmp_path / name), 2)
+        assert trainer.attention_kernel == name
+        ops = _attention_ops(trainer, cfg)
+        assert op in ops and not any("flash" in o for o in ops if name == "math"), ops
+
+
+def test_a_resumed_run_keeps_the_kernel_it_started_with(cfg_factory, tmp_path, monkeypatch):
+    from training import checkpointing
+
+    def timings(fast):
+        slow = {"default": (3.0, 3.0), "flash": (3.0, 3.0), "math": (3.0, 3.0)}
+        return lambda *args, **kwargs: {**slow, fast: (1.0, 1.0)}
+
+    cfg = cfg_factory(amp_mode="bf16", num_iters=2)
+    monkeypatch.setattr(attention, "time_kernels", timings("math"))
+    first = Trainer(cfg, RunContext(device=CPU, run_dir=tmp_path / "run"), 2)
+    first.save_checkpoint()
+    monkeypatch.setattr(attention, "_chosen", {})  # a new process: timed again, flash wins now
+    monkeypatch.setattr(attention, "time_kernels", timings("flash"))
+    second = Trainer(cfg, RunContext(device=CPU, run_dir=tmp_path / "run"), 2)
+    assert (first.attention_kernel, second.attention_kernel) == ("math", "flash")
+    second.load_checkpoint(checkpointing.find(tmp_path / "run"))
+    assert second.attention_kernel == "math"
+
+
+def test_which_kernel_a_resumed_run_keeps():
+    def trainer(setting, current, device="cpu"):
+        return SimpleNamespace(cfg=SimpleNamespace(attention_kernel=setting), attention_kernel=current,
+                               device=torch.device(device))
+
+    t = trainer("flash", "flash")  # a kernel named on the command line wins
+    keep_attention_kernel(t, "math")
+    assert t.attention_kernel == "flash"
+    t = trainer("auto", "math")  # a GPU run's cudnn continued on a CPU
+    keep_attention_kernel(t, "cudnn")
+    assert t.attention_kernel == "math"
+    t = trainer("auto", "math")  # a checkpoint from before the key
+    keep_attention_kernel(t, None)
+    assert t.attention_kernel == "math"
+
+
+def test_a_gpu_only_kernel_on_cpu_is_one_line(cfg_factory, tmp_path, capsys):
+    from ruamel.yaml import YAML
+
+    from training.launcher import main
+
+    yaml = tmp_path / "t.yaml"
+    with open(yaml, "w") as f:
+        YAML().dump({"t": cfg_factory().to_dict()}, f)
+    code = main(Trainer, ["--yaml_config", str(yaml), "--config", "t", "--attention_kernel", "cudnn"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: attention_kernel cudnn runs only on CUDA GPUs; on cpu use auto, default, flash or math")
+    assert not (tmp_path / "logs").exists()  # nothing written for a run that cannot start
