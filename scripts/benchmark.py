@@ -540,8 +540,8 @@ def markdown(report: dict[str, Any]) -> str:
                      "runs fp32 matmuls; +graphs replays its whole step as one graph (its time shows "
                      "under forward).")
     lines += ["",
-             "| rung | samples/s | bare loop | vs bare | step ms | data wait | forward | backward | optimizer "
-             "| peak mem MB | MFU | attention | loader alone / raw h5py | warm-up s |",
+             "| rung | samples/s | bare loop | vs bare | step ms | data wait | forward | backward "
+             "| optimizer | peak mem MB | MFU | attention | loader alone / raw h5py | warm-up s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rungs"]:
         b = r["breakdown_ms"]
@@ -554,8 +554,8 @@ def markdown(report: dict[str, Any]) -> str:
         vs_bare = (f"{r['bare_samples_per_sec']:.2f} | {r['vs_bare']:.2f}x" if "vs_bare" in r
                    else "- | -")
         lines.append(
-            f"| {r['name']} | {r['samples_per_sec']:.2f} | {vs_bare} | {r['step_ms']:.0f} | {b['data_wait']:.0f} "
-            f"| {phases} | {mem} | {100 * r['mfu']:.1f}% | {r['attention_kernel']} "
+            f"| {r['name']} | {r['samples_per_sec']:.2f} | {vs_bare} | {r['step_ms']:.0f} "
+            f"| {b['data_wait']:.0f} | {phases} | {mem} | {100 * r['mfu']:.1f}% | {r['attention_kernel']} "
             f"| {ld['samples_per_sec']:.0f} / {ld['raw_h5py_samples_per_sec']:.0f} "
             f"({100 * ld['ratio_to_raw']:.0f}%) | {r['warmup_seconds']:.1f} |")
     if report.get("attention"):

@@ -237,8 +237,8 @@ from scripts.make_synthetic_era5 import generate
 from tests.conftest import make_cfg
 from utils.data_loader import get_data_loader
 torch.set_num_threads(8)
-generate(pathlib.Path({str(tmp_path)!r}), (64, 128), 6, {{"train": [2016], "valid": [2017], "test": [2018]}}, seed=0,
-         quiet=True)
+years = {{"train": [2016], "valid": [2017], "test": [2018]}}
+generate(pathlib.Path({str(tmp_path)!r}), (64, 128), 6, years, seed=0, quiet=True)
 cfg = make_cfg({str(tmp_path)!r}, {str(tmp_path)!r}, img_size=(64, 128), num_data_workers=0)
 threads = lambda: len(os.listdir("/proc/self/task"))
 before = threads()
