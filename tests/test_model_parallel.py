@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import mappings as M
+from distributed.clipping import clip_grad_norm
 from distributed.consolidate import full_state, load_full_state, take_shard
 from distributed.mesh import ParallelMesh, build_mesh, check_model, check_sizes, group_layouts, parse_order
 from distributed.parallelize import apply_model_parallel
@@ -228,6 +229,12 @@ def _parity_on_ranks(layouts: list[tuple[int, int]]) -> None:
         # their tokens (summed here); per-replica mean losses make it dp times the serial one
         gx = M.reduce_from(xp.grad, mesh.group("cp")) / mesh.dp_size
         _close(f"{where} input gradient", gx, xs.grad[sl], errors)
+        # clipping by the global norm, active (the limit is half the norm): every rank must
+        # find the serial model's norm, and scale its gradients alike
+        limit = 0.5 * torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in serial.parameters()]))
+        want_norm = torch.nn.utils.clip_grad_norm_(serial.parameters(), limit.item())
+        got_norm = clip_grad_norm(list(par.parameters()), limit.item(), mesh, dp_sharded=False)
+        _close(f"{where} gradient norm", got_norm, want_norm, errors)
         grads = full_state(par, mesh, grads=True)
         largest = max(p.grad.abs().max().item() for p in serial.parameters())
         for name, p in serial.named_parameters():

@@ -114,6 +114,7 @@ def test_pipeline_flags_need_train_mp(data_dir, test_yaml, tmp_path):
 
 # ------------------------------------------------------- the serial run's losses ---
 PP2 = {"pipeline_parallel": 2}
+CLIP = 0.05  # below every step's gradient norm here
 # Every schedule is proven in one run, combined with another dimension where it can be
 # (gpipe with tp, 1f1b at 4 stages, zero bubble with dp and checkpointing).
 VARIANTS = {  # name: (ranks, flags)
@@ -126,13 +127,25 @@ VARIANTS = {  # name: (ranks, flags)
                                                 "pipeline_schedule": "zero_bubble",
                                                 "activation_checkpointing": "full"}),
     "pp2_x_dp2_fsdp": (4, {**PP2, "data_parallel": "fsdp"}),
-    "pp2_x_tp2": (4, {**PP2, "tensor_parallel": 2, "pipeline_schedule": "gpipe"}),
+    # clipped: the norm's squares summed over the stages and the tp slices
+    "pp2_x_tp2_clipped": (4, {**PP2, "tensor_parallel": 2, "pipeline_schedule": "gpipe",
+                              "grad_clip_norm": CLIP}),
 }
 
 
+@pytest.fixture(scope="module")
+def serial_clipped(data_dir, test_yaml, tmp_path_factory) -> list[dict]:
+    expdir = tmp_path_factory.mktemp("serial_clipped")
+    ok(run(1, args(test_yaml, data_dir, expdir, grad_clip_norm=CLIP)))
+    logged = metrics(run_dir(expdir, 1))
+    assert all(m["grad_norm_mean"] > CLIP for m in logged)  # clipping acts on the steps
+    return logged
+
+
 @pytest.mark.parametrize("name", VARIANTS)
-def test_pipeline_logs_the_serial_losses(name, serial, data_dir, test_yaml, tmp_path):
+def test_pipeline_logs_the_serial_losses(name, data_dir, test_yaml, tmp_path, request):
     ranks, flags = VARIANTS[name]
+    serial = request.getfixturevalue("serial_clipped" if "grad_clip_norm" in flags else "serial")
     ok(run(ranks, args(test_yaml, data_dir, tmp_path, **flags), timeout=240, **MP))
     layout = next((tmp_path / "tiny").iterdir())
     assert layout.name.endswith(f"_pp{flags['pipeline_parallel']}")

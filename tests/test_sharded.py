@@ -51,6 +51,23 @@ def serial(data_dir, test_yaml, tmp_path_factory) -> list[dict]:
     return metrics(run_dir(expdir, 1))
 
 
+CLIP = {"grad_clip_norm": 0.05}  # below every step's gradient norm here: clipping acts on each step
+
+
+@pytest.fixture(scope="module")
+def serial_clipped(data_dir, test_yaml, tmp_path_factory) -> list[dict]:
+    expdir = tmp_path_factory.mktemp("serial_clipped")
+    ok(run(1, args(test_yaml, data_dir, expdir, **CLIP)))
+    return metrics(run_dir(expdir, 1))
+
+
+def test_clipping_acts_on_every_step(serial_clipped):
+    """In the clipped reference the gradient norm is above the limit on the steps, so the
+    clipped layouts below clip too. (Adam barely notices gradients scaled by a steady factor,
+    so the layouts are also compared on the norm they log, which must be the serial one.)"""
+    assert all(m["grad_norm_max"] >= m["grad_norm_mean"] > CLIP["grad_clip_norm"] for m in serial_clipped)
+
+
 def assert_same_losses(reference: list[dict], run: list[dict]) -> None:
     by_step = {m["step"]: m for m in reference}
     assert run and all(m["step"] in by_step for m in run)
@@ -58,6 +75,10 @@ def assert_same_losses(reference: list[dict], run: list[dict]) -> None:
         ref = by_step[m["step"]]
         assert m["train_loss"] == pytest.approx(ref["train_loss"], rel=LOSS_RTOL), m["step"]
         assert m["val_loss"] == pytest.approx(ref["val_loss"], rel=LOSS_RTOL), m["step"]
+        for key in ("grad_norm_mean", "grad_norm_max"):  # clipped runs: the norm before clipping
+            assert (key in m) == (key in ref), key
+            if key in ref:
+                assert m[key] == pytest.approx(ref[key], rel=LOSS_RTOL), (key, m["step"])
 
 
 FSDP = {"data_parallel": "fsdp"}
@@ -66,11 +87,14 @@ FSDP = {"data_parallel": "fsdp"}
 VARIANTS = {  # name: (ranks, flags, model parallel (train_mp.py))
     "fsdp_keep_gathered": (2, {**FSDP, "reshard_after_forward": False}, False),
     "accumulation": (1, {"grad_accum_steps": 4}, False),
-    "zero1_accumulation": (2, {"data_parallel": "zero1", "grad_accum_steps": 2}, False),
+    # ZeRO-1 with context parallelism (gradients summed over cp, replicated over dp), clipped
+    "zero1_x_cp2_accumulation_clipped": (4, {"data_parallel": "zero1", "context_parallel": 2,
+                                             "grad_accum_steps": 2, **CLIP}, True),
     # the issue's command: 4 ranks, FSDP, every block recomputed, 2 micro-batches
     "fsdp_checkpointing_accumulation": (4, {**FSDP, "activation_checkpointing": "full",
                                             "grad_accum_steps": 2}, False),
-    "fsdp_x_tp": (4, {**FSDP, "tensor_parallel": 2}, True),
+    # the norm's squares summed over the FSDP shards and the tp slices, replicated ones once
+    "fsdp_x_tp_clipped": (4, {**FSDP, "tensor_parallel": 2, **CLIP}, True),
 }
 
 
@@ -81,8 +105,9 @@ def flags_to_args(flags: dict) -> tuple[dict, list[str]]:
 
 
 @pytest.mark.parametrize("name", VARIANTS)
-def test_layout_logs_the_serial_losses(name, serial, data_dir, test_yaml, tmp_path):
+def test_layout_logs_the_serial_losses(name, data_dir, test_yaml, tmp_path, request):
     ranks, flags, mp = VARIANTS[name]
+    serial = request.getfixturevalue("serial_clipped" if "grad_clip_norm" in flags else "serial")
     valued, switches = flags_to_args(flags)
     env = {"DDP_TEST_MODEL_PARALLEL": "1"} if mp else {}
     ok(run(ranks, args(test_yaml, data_dir, tmp_path, **valued) + switches, timeout=240, **env))

@@ -50,6 +50,9 @@ class GraphTrainer(Trainer):
         problem = compat.graphs_with_checkpointing_problem()
         if cfg.activation_checkpointing != "none" and problem:
             raise ValueError(problem)
+        if cfg.grad_clip_norm:
+            raise ValueError("train_graph.py does not clip gradients (its captured step calls Adam "
+                             "directly); run --grad_clip_norm with train.py")
         if cfg.data_parallel != "ddp" or cfg.grad_accum_steps > 1:
             raise ValueError("train_graph.py captures one plain DDP step: use --data_parallel ddp and "
                              "--grad_accum_steps 1 (train.py runs zero1, fsdp and accumulation)")

@@ -29,8 +29,10 @@ MIB = 2**20
 
 def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int, seconds: float,
               samples: int, steps: int, train_loss: float, val: dict[str, Any], val_seconds: float,
-              lr: float, memory: dict[str, float] | None = None) -> None:
-    """Log one epoch (every rank's logger; rank 0 alone has a ``writer`` and writes files)."""
+              lr: float, memory: dict[str, float] | None = None,
+              grad_norms: list[float] | None = None) -> None:
+    """Log one epoch (every rank's logger; rank 0 alone has a ``writer`` and writes files).
+    ``grad_norms``: the gradient norm before clipping of each of the epoch's steps, when clipping."""
     rate = samples / seconds if seconds > 0 else float("nan")
     log.info("Time taken for epoch %d is %.2f sec, avg %.2f samples/sec", epoch + 1, seconds, rate)
     log.info("  Avg train loss=%.6f", train_loss)
@@ -45,6 +47,8 @@ def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int
             writer.add_scalar(f"RMSE({ch})/valid", val["rmse"][ch], step)
             writer.add_scalar(f"RMSE({ch})/persistence", val["persistence"][ch], step)
     writer.add_scalar("Learning Rate", lr, step)
+    for i, norm in enumerate(grad_norms or []):  # one point per step, at the step it was taken
+        writer.add_scalar("Gradient norm/before clipping", norm, step - len(grad_norms) + i + 1)
     writer.add_scalar("Avg iters per sec", steps / seconds if seconds > 0 else 0.0, step)
     writer.add_scalar("Avg samples per sec", rate, step)
     if val["example"] is not None and "t2m" in val["rmse"]:
@@ -55,6 +59,9 @@ def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int
     record = {"epoch": epoch + 1, "step": step, "train_loss": train_loss, "val_loss": val["loss"],
               "samples_per_sec": rate, "epoch_seconds": seconds,
               "rmse": val["rmse"], "persistence": val["persistence"], "memory_MiB": memory or {}}
+    if grad_norms:
+        record["grad_norm_mean"] = sum(grad_norms) / len(grad_norms)
+        record["grad_norm_max"] = max(grad_norms)
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from distributed import consolidate, sharding
+from distributed import clipping, consolidate, sharding
 from distributed.env import all_reduce_max, all_reduce_sum
 from distributed.parallelize import parallelize
 from distributed.stop import StopAgreement
@@ -84,6 +84,7 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self.epoch_loss = torch.zeros((), device=self.device)  # running sum in this epoch
         self.epoch_steps = 0
+        self.grad_norms: list[torch.Tensor] = []  # this epoch's, before clipping (device scalars)
         self.writer: SummaryWriter | None = None
         self.stop_agreement = StopAgreement(self.device, cfg.stop_check_every)
         self.stopped_early = False  # a stop signal ended training before num_iters
@@ -161,6 +162,8 @@ class Trainer:
 
     def optimizer_step(self) -> None:
         with dev.nvtx_range("optimizer"):
+            if self.cfg.grad_clip_norm:
+                self.clip_gradients()
             if self.scaler:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
@@ -168,6 +171,16 @@ class Trainer:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
+
+    def clip_gradients(self) -> None:
+        """Scale the gradients so that the whole model's gradient norm is at most grad_clip_norm,
+        whatever the layout (distributed/clipping.py); keep the norm before clipping for the log.
+        fp16's gradients are unscaled first: the limit is on the true gradient."""
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # scaler.step then knows not to unscale again
+        dp_sharded = sharding.fsdp_active(self.cfg, self.ctx.mesh)
+        self.grad_norms.append(clipping.clip_grad_norm(list(self.model.parameters()), self.cfg.grad_clip_norm,
+                                                       self.ctx.mesh, dp_sharded))
 
     def to_device(self, inp: torch.Tensor, tar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nb = self.device.type == "cuda"
@@ -260,8 +273,11 @@ class Trainer:
                   val: dict[str, Any], val_seconds: float) -> None:
         samples = steps * self.local_batch * self.ctx.dp_size
         memory = reporting.memory_report(self.raw_model, self.optimizer, self.device)
+        norms = torch.stack(self.grad_norms).tolist() if self.grad_norms else None  # one host sync
+        self.grad_norms = []
         reporting.log_epoch(self.writer, self.ctx.run_dir, epoch, self.step, seconds, samples, steps,
-                            train_loss, val, val_seconds, self.optimizer.param_groups[0]["lr"], memory)
+                            train_loss, val, val_seconds, self.optimizer.param_groups[0]["lr"], memory,
+                            norms)
         reporting.log_memory(self.writer, self.step, memory, self.device)
 
     def finish_epoch_loss(self) -> float:

@@ -75,6 +75,9 @@ class Config:
     warmup: int = key(0, "steps of linear learning-rate warm-up", "optimisation")
     optimizer_type: str = key("Adam", "optimizer", "optimisation", choices=OPTIMIZERS)
     adam_betas: tuple[float, float] = key(ADAM_BETAS, "Adam's beta1 and beta2", "optimisation")
+    grad_clip_norm: float = key(0.0, "clip the global norm of the whole model's gradient to this "
+                                     "(0 = off); the norm before clipping is logged every step",
+                                "optimisation")
     amp_mode: str = key("none", "mixed precision", "optimisation", choices=AMP_MODES)
     attention_kernel: str = key("auto", "scaled-dot-product-attention kernel: auto (bf16/fp16: the "
                                 "fastest, timed at start-up; fp32: torch's pick), default (torch's "

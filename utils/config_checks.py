@@ -80,7 +80,7 @@ def _check_values(cfg: Config) -> None:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"config key '{name}' must be at least 1, got {getattr(cfg, name)}")
-    for name in ("warmup", "num_data_workers", "checkpoint_every", "seed"):
+    for name in ("warmup", "num_data_workers", "checkpoint_every", "seed", "grad_clip_norm"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"config key '{name}' must be 0 or more, got {getattr(cfg, name)}")
     for name in ("limit_nsamples", "limit_nsamples_val", "local_batch_size"):

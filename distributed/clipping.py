@@ -1,0 +1,63 @@
+"""Gradient clipping by the global norm, in every layout.
+
+Clipping scales all gradients by ``min(1, max_norm / (norm + 1e-6))``, where ``norm`` is the
+2-norm of every gradient of the whole model taken as one vector (the formula of
+``torch.nn.utils.clip_grad_norm_``). One process holding the whole model computes it alone;
+once the model is split, each rank holds only some of the gradients, and the norm is a sum
+of squares over ranks in which every element must count exactly once:
+
+- data parallel (DDP, ZeRO-1): after backward every rank holds the same, whole gradients:
+  no sum (summing would count each gradient dp times);
+- FSDP: each rank holds a different shard of every gradient: sum over dp;
+- tensor parallel: split weights (``ParamSpec.shard_dim``) are different slices on each tp
+  rank: sum over tp; replicated ones (layer norms, row-parallel biases) are equal on every
+  tp rank: counted once;
+- context parallel: gradients are summed over cp in backward, so every cp rank holds them
+  whole: no sum;
+- pipeline parallel: each stage holds its own blocks: sum over pp.
+
+Every rank then has the same norm and the same scale, and the result is the serial model's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed.mesh import ParallelMesh
+from distributed.sharding import local
+from distributed.tags import spec
+
+
+def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh, dp_sharded: bool) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient (collective over the mesh's groups as above)."""
+    grads = [p for p in params if p.grad is not None]
+    device = grads[0].grad.device if grads else torch.device("cpu")
+    split, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
+    for p in grads:
+        sq = local(p.grad).float().pow(2).sum()  # an FSDP gradient: this rank's shard
+        if spec(p).shard_dim is not None and mesh.size("tp") > 1:
+            split += sq
+        else:
+            replicated += sq
+    if mesh.size("tp") > 1:
+        dist.all_reduce(split, group=mesh.group("tp"))
+    total = split + replicated
+    if dp_sharded:
+        dist.all_reduce(total, group=mesh.dp_group)
+    if mesh.size("pp") > 1:
+        dist.all_reduce(total, group=mesh.group("pp"))
+    return total.sqrt()
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMesh,
+                   dp_sharded: bool) -> torch.Tensor:
+    """Scale the gradients so that their global norm is at most ``max_norm``; returns the norm
+    before clipping (a device tensor: no host sync)."""
+    norm = global_grad_norm(params, mesh, dp_sharded)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            local(p.grad).mul_(scale)  # on the device: no host sync to decide whether to clip
+    return norm
