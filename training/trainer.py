@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from distributed import clipping, consolidate, sharding
+from distributed import consolidate, sharding
 from distributed.env import all_reduce_max, all_reduce_sum
 from distributed.parallelize import parallelize
 from distributed.stop import StopAgreement
@@ -176,6 +176,8 @@ class Trainer:
         """Scale the gradients so that the whole model's gradient norm is at most grad_clip_norm,
         whatever the layout (distributed/clipping.py); keep the norm before clipping for the log.
         fp16's gradients are unscaled first: the limit is on the true gradient."""
+        from distributed import clipping  # imported only by runs that clip
+
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # scaler.step then knows not to unscale again
         dp_sharded = sharding.fsdp_active(self.cfg, self.ctx.mesh)
