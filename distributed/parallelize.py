@@ -28,16 +28,18 @@ An instructor adding a kind of parallelism adds its step here, in its place in t
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from distributed.consolidate import take_shard
 from distributed.mesh import ParallelMesh
-from distributed.sharding import apply_fsdp, fsdp_active
-from distributed.tags import tag_model, wrap_data_parallel
+from distributed.sharding import apply_fsdp, fsdp_active, local, shard_of
+from distributed.tags import spec, tag_model, wrap_data_parallel
 from networks.vit import ViT
 from utils.config import Config
 
@@ -87,15 +89,62 @@ def _checkpointed(forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[
     return run
 
 
-def parallelize(model: ViT, mesh: ParallelMesh, cfg: Config, device: torch.device) -> nn.Module:
-    """This rank's model, on ``device``, ready to train (see the module docstring for the order)."""
-    model = apply_model_parallel(model, mesh).to(device)
+InitialValues = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+def serial_values(serial: ViT, seed: int) -> InitialValues:
+    """The serial model's initial values, parameter by parameter (``ViT.initial_values``), from
+    a generator seeded with ``seed`` each time they are asked for: every rank, and every
+    pipeline stage, draws the same numbers. Kept from a copy of ``serial`` as built (on the meta
+    device a copy costs nothing), since parallelizing replaces its layers."""
+    reference = copy.deepcopy(serial)
+    return lambda: reference.initial_values(torch.Generator().manual_seed(seed))
+
+
+def materialize(model: nn.Module, mesh: ParallelMesh, device: torch.device,
+                initial_values: InitialValues) -> nn.Module:
+    """A model whose parameters are on the meta device (shapes only), already cut to this
+    rank's part: allocate that part on ``device`` and fill it with the serial model's values.
+    One whole serial parameter exists at a time (on the CPU); each rank keeps its slice of it
+    (tensor parallel: ``take_shard``; FSDP: its shard, ``shard_of``), so building a model that
+    would not fit one device never needs it whole."""
+    tags = {name: p.mp_spec for name, p in model.named_parameters() if hasattr(p, "mp_spec")}
+    model.to_empty(device=device)  # uninitialised memory for this rank's parameters only
+    own = dict(model.named_parameters())
+    for name, p in own.items():  # to_empty may make new Parameter objects: tags back on
+        if name in tags:
+            p.mp_spec = tags[name]
+    with torch.no_grad():
+        for name, value in initial_values():
+            p = own.pop(name, None)
+            if p is None:  # another pipeline stage's parameter
+                continue
+            piece = shard_of(take_shard(value, spec(p), mesh), p)
+            local(p).copy_(piece)
+    if own:
+        raise RuntimeError(f"no initial value for {sorted(own)}")
+    return model
+
+
+def parallelize(model: ViT, mesh: ParallelMesh, cfg: Config, device: torch.device,
+                initial_values: InitialValues | None = None) -> nn.Module:
+    """This rank's model, on ``device``, ready to train (see the module docstring for the order).
+
+    ``model`` is built on the meta device when ``initial_values`` is given: nothing is
+    allocated until the model is split, then each rank allocates its own part (materialize)."""
+    meta = initial_values is not None
+    model = apply_model_parallel(model, mesh)
+    if not meta:
+        model = model.to(device)
     model = apply_activation_checkpointing(model, cfg.activation_checkpointing)
     if cfg.enable_jit:
         for block in model.blocks.values():
             block.compile()
     if fsdp_active(cfg, mesh):
-        return apply_fsdp(model, mesh, cfg)
+        model = apply_fsdp(model, mesh, cfg)  # on meta: only the shards' shapes
+        return materialize(model, mesh, device, initial_values) if meta else model
+    if meta:
+        model = materialize(model, mesh, device, initial_values)
     if mesh.size("pp") > 1:  # a pipeline stage averages its gradients itself (distributed/pipeline.py)
         return model
     return wrap_data_parallel(model, mesh, device, cfg)

@@ -53,6 +53,26 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_sharded(t) else t
 
 
+def shard_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a whole tensor ``value`` laid out like ``param`` (no communication):
+    for each mesh dimension that shards ``param``, the chunk of this rank's coordinate, split as
+    DTensor's ``Shard`` splits (``torch.chunk``: the last ranks may get less, or nothing)."""
+    if not is_sharded(param):
+        return value
+    from torch.distributed.tensor import Shard
+
+    coordinate = param.device_mesh.get_coordinate()
+    for i, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):
+            chunks = value.chunk(param.device_mesh.size(i), dim=placement.dim)
+            value = (chunks[coordinate[i]] if coordinate[i] < len(chunks)
+                     else value.narrow(placement.dim, 0, 0))
+    if value.shape != param.to_local().shape:
+        raise RuntimeError(f"slice {tuple(value.shape)} does not fit the local shard "
+                           f"{tuple(param.to_local().shape)}")
+    return value
+
+
 def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """A whole tensor laid out like ``param``: sharded the same way when ``param`` is sharded
     (every rank holds ``value`` and keeps its own slice)."""

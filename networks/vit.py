@@ -7,6 +7,7 @@ width D = embed_dim -> transformer blocks -> (B, N, C_out * p * p) -> (B, C_out,
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -139,25 +140,38 @@ class ViT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Conv2d):
-                fan_in = m.in_channels * math.prod(m.kernel_size)
-                nn.init.trunc_normal_(m.weight, std=1.0 / math.sqrt(fan_in))
-                nn.init.zeros_(m.bias)
-        # q/k/v weights are drawn as [q; k; v] blocks, as the three separate projections of
-        # the tutorial's original model were (so the same seed gives the same model), and
-        # stored head-major
         with torch.no_grad():
-            for block in self.blocks.values():
-                w = block.attn.qkv.weight
-                w.copy_(blocks_to_head_major(w, block.attn.num_heads))
+            for name, value in self.initial_values():
+                self.get_parameter(name).copy_(value)
+
+    def initial_values(self, generator: torch.Generator | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each parameter's initial value, one at a time, as a new CPU tensor, always drawn in the
+        same order from ``generator`` (default: torch's global one).
+
+        Only the shapes are read, so this also works for a model built on the meta device
+        (no memory): distributed/parallelize.py builds the serial model there, shards it, and
+        fills each rank's shards from these values, one whole parameter at a time."""
+        yield "pos_embed", nn.init.trunc_normal_(torch.empty(self.pos_embed.shape), std=0.02,
+                                                  generator=generator)
+        for mod_name, m in self.named_modules():
+            prefix = f"{mod_name}." if mod_name else ""
+            if isinstance(m, nn.Linear):
+                w = nn.init.trunc_normal_(torch.empty(m.weight.shape), std=0.02, generator=generator)
+                if mod_name.endswith("attn.qkv"):
+                    # q/k/v weights are drawn as [q; k; v] blocks, as the three separate projections
+                    # of the tutorial's original model were (so the same seed gives the same
+                    # model), and stored head-major
+                    w = blocks_to_head_major(w, self.get_submodule(mod_name.removesuffix(".qkv")).num_heads)
+                yield f"{prefix}weight", w
+                yield f"{prefix}bias", torch.zeros(m.bias.shape)
+            elif isinstance(m, nn.LayerNorm):
+                yield f"{prefix}weight", torch.ones(m.weight.shape)
+                yield f"{prefix}bias", torch.zeros(m.bias.shape)
+            elif isinstance(m, nn.Conv2d):
+                std = 1.0 / math.sqrt(m.in_channels * math.prod(m.kernel_size))  # 1 / sqrt(fan_in)
+                yield f"{prefix}weight", nn.init.trunc_normal_(torch.empty(m.weight.shape), std=std,
+                                                               generator=generator)
+                yield f"{prefix}bias", torch.zeros(m.bias.shape)
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         # (B, N, C * p * p) -> (B, C, H, W), token order row-major over the patch grid

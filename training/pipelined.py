@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from distributed import consolidate, pipeline
-from distributed.parallelize import parallelize
+from distributed.parallelize import parallelize, serial_values
 from networks.vit import build_vit, count_parameters
 from training.context import RunContext
 from training.trainer import Trainer
@@ -41,11 +41,13 @@ class PipelineTrainer(Trainer):
         super().__init__(cfg, ctx, local_batch)
 
     def build_model(self) -> pipeline.Pipeline:
-        serial = build_vit(self.cfg)
+        with torch.device("meta"):  # as Trainer.build_model: each stage allocates only itself
+            serial = build_vit(self.cfg)
         self.n_params = count_parameters(serial)
         self.serial_names = [name for name, _ in serial.named_parameters()]
+        values = serial_values(serial, self.cfg.seed)
         model = pipeline.build(serial, self.ctx.mesh, self.cfg, self.device,
-                               lambda stage: parallelize(stage, self.ctx.mesh, self.cfg, self.device),
+                               lambda stage: parallelize(stage, self.ctx.mesh, self.cfg, self.device, values),
                                self.micro_batch_loss)
         log.info("%s; this rank holds stages %s: %d of the model's %d parameters",
                  self.ctx.mesh.describe(), model.stage_ids, sum(p.numel() for p in model.parameters()),

@@ -23,7 +23,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from distributed import consolidate, sharding
 from distributed.env import all_reduce_max, all_reduce_sum
-from distributed.parallelize import parallelize
+from distributed.parallelize import parallelize, serial_values
 from distributed.stop import StopAgreement
 from distributed.tags import unwrap
 from networks.vit import build_vit, count_parameters
@@ -104,10 +104,14 @@ class Trainer:
         return Batches(loader, sampler, pin_memory=pin)
 
     def build_model(self) -> nn.Module:
-        """The serial model from the seed (the same weights in every layout), then this rank's part."""
-        serial = build_vit(self.cfg)
+        """The serial model on the meta device (shapes, no memory), then this rank's part of it,
+        allocated and filled with the serial model's values from the seed (the same weights in
+        every layout)."""
+        with torch.device("meta"):
+            serial = build_vit(self.cfg)
         self.n_params = count_parameters(serial)
-        model = parallelize(serial, self.ctx.mesh, self.cfg, self.device)
+        model = parallelize(serial, self.ctx.mesh, self.cfg, self.device,
+                            serial_values(serial, self.cfg.seed))
         if self.ctx.mesh.model_parallel:
             log.info("%s; this rank holds %d of the model's %d parameters", self.ctx.mesh.describe(),
                      count_parameters(unwrap(model)), self.n_params)
