@@ -197,20 +197,13 @@ def reset_peak_memory(device: torch.device) -> None:
     gc.collect()
     dev.reset_peak_memory(device)
     if device.type == "cpu":
-        with contextlib.suppress(OSError):  # Linux: writing 5 resets the peak resident set (VmHWM)
-            Path("/proc/self/clear_refs").write_text("5")
+        dev.reset_process_peak()
 
 
 def peak_memory(device: torch.device) -> tuple[int | None, str]:
     if device.type == "cuda":
         return dev.peak_memory_bytes(device), "CUDA allocator peak"
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024, "process peak RSS"
-    except OSError:
-        pass
-    return None, "unavailable"
+    return dev.process_peak_rss_bytes(), "process peak RSS"
 
 
 def _cpu_sdpa_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:

@@ -59,6 +59,8 @@ def test_the_norm_is_logged_every_step(cfg_factory, tmp_path):
     assert [r["step"] for r in records] == [2, 4]
     assert all(r["grad_norm_max"] >= r["grad_norm_mean"] > 0.05 for r in records)
     assert scalar_tags(tmp_path)["Gradient norm/before clipping"] == 4
+    # and the first record carries the process's peak memory of building (tests/test_model_parallel.py)
+    assert records[0]["build_peak_MiB"] > 0 and "build_peak_MiB" not in records[1]
 
 
 def test_clipping_off_computes_nothing(cfg_factory, tmp_path):

@@ -269,10 +269,50 @@ def test_mappings_and_tp2_cp2_match_serial_on_two_ranks():
     run_ranks(2, _mappings_then_parity, [(2, 1), (1, 2)])
 
 
+BIG = {"embed_dim": 2048, "depth": 8, "num_heads": 16}  # 402M parameters: 1.6 GB in fp32
+
+
+def _build_peak(cfg, run_dir) -> tuple[float, int]:
+    """A trainer's build_peak_MiB with the process's peak reset just before, and the model's size."""
+    import gc
+
+    from training.context import RunContext
+    from training.trainer import Trainer
+    from utils import device as dev
+
+    gc.collect()
+    dev.reset_process_peak()
+    ctx = RunContext(device=torch.device("cpu"), run_dir=run_dir, rank=dist.get_rank(),
+                     world_size=dist.get_world_size(), mesh=build_mesh({}, "tp-cp-dp", "cpu"))
+    trainer = Trainer(cfg, ctx, cfg.global_batch_size // dist.get_world_size())
+    return trainer.build_peak_MiB, trainer.n_params
+
+
+def _parity_then_fsdp_build(layouts: list[tuple[int, int]], data_dir: str, out_dir: str) -> None:
+    """The layouts against serial, then FSDP on 4 ranks building a model of 1.6 GB: built on the
+    meta device, each rank allocates only its shards (and one whole parameter at a time), so its
+    peak grows by far less than half the model over a tiny model's build."""
+    from pathlib import Path
+
+    from tests.conftest import make_cfg
+
+    _parity_on_ranks(layouts)
+    out = Path(out_dir)
+    tiny, _ = _build_peak(make_cfg(data_dir, out, data_parallel="fsdp"), out / "tiny")
+    big, n_params = _build_peak(make_cfg(data_dir, out, data_parallel="fsdp", **BIG), out / "big")
+    model_mib = 4 * n_params / 2**20
+    assert model_mib >= 1.5e9 / 2**20, model_mib  # at least 1.5 GB
+    assert big - tiny < model_mib / 2, (f"rank {dist.get_rank()}: build peak {big:.0f} MiB against "
+                                        f"{tiny:.0f} for tiny; the model is {model_mib:.0f} MiB")
+    (out / f"build_peak_{dist.get_rank()}.txt").write_text(f"{tiny:.1f} {big:.1f} {model_mib:.1f}")
+
+
 @pytest.mark.slow
-def test_four_rank_layouts_match_serial():
+def test_four_rank_layouts_match_serial_and_fsdp_builds_in_shards(data_dir, tmp_path):
     # tp=2 x dp=2, tp=2 x cp=2, cp=2 x dp=2 (cp gradients summed inside DDP's comm hook)
-    run_ranks(4, _parity_on_ranks, [(2, 1), (2, 2), (1, 2)])
+    run_ranks(4, _parity_then_fsdp_build, [(2, 1), (2, 2), (1, 2)], str(data_dir), str(tmp_path))
+    for rank in range(4):
+        print(rank, (tmp_path / f"build_peak_{rank}.txt").read_text())
 
 
 def test_saved_activation_bytes_counts_each_storage_once():

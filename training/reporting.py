@@ -30,9 +30,10 @@ MIB = 2**20
 def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int, seconds: float,
               samples: int, steps: int, train_loss: float, val: dict[str, Any], val_seconds: float,
               lr: float, memory: dict[str, float] | None = None,
-              grad_norms: list[float] | None = None) -> None:
+              grad_norms: list[float] | None = None, extra: dict[str, Any] | None = None) -> None:
     """Log one epoch (every rank's logger; rank 0 alone has a ``writer`` and writes files).
-    ``grad_norms``: the gradient norm before clipping of each of the epoch's steps, when clipping."""
+    ``grad_norms``: the gradient norm before clipping of each of the epoch's steps, when clipping;
+    ``extra``: more keys for the metrics record (the first record's ``build_peak_MiB``)."""
     rate = samples / seconds if seconds > 0 else float("nan")
     log.info("Time taken for epoch %d is %.2f sec, avg %.2f samples/sec", epoch + 1, seconds, rate)
     log.info("  Avg train loss=%.6f", train_loss)
@@ -59,6 +60,7 @@ def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int
     record = {"epoch": epoch + 1, "step": step, "train_loss": train_loss, "val_loss": val["loss"],
               "samples_per_sec": rate, "epoch_seconds": seconds,
               "rmse": val["rmse"], "persistence": val["persistence"], "memory_MiB": memory or {}}
+    record.update(extra or {})
     if grad_norms:
         record["grad_norm_mean"] = sum(grad_norms) / len(grad_norms)
         record["grad_norm_max"] = max(grad_norms)

@@ -89,6 +89,10 @@ class Trainer:
         self.stop_agreement = StopAgreement(self.device, cfg.stop_check_every)
         self.stopped_early = False  # a stop signal ended training before num_iters
         self._steps_at_start = 0  # the step this process started from (set by fit)
+        # the process's peak memory up to here (model built, sharded, data loaders started), for
+        # the first metrics record: a model that cannot fit one device must not be built whole
+        peak = dev.peak_memory_bytes(self.device) or dev.process_peak_rss_bytes()
+        self.build_peak_MiB: float | None = peak / 2**20
 
     # ------------------------------------------------------------------ building ---
     def build_data(self, split: str, train: bool) -> Batches:
@@ -281,9 +285,11 @@ class Trainer:
         memory = reporting.memory_report(self.raw_model, self.optimizer, self.device)
         norms = torch.stack(self.grad_norms).tolist() if self.grad_norms else None  # one host sync
         self.grad_norms = []
+        first = {"build_peak_MiB": self.build_peak_MiB} if self.build_peak_MiB is not None else {}
+        self.build_peak_MiB = None  # in this process's first record only
         reporting.log_epoch(self.writer, self.ctx.run_dir, epoch, self.step, seconds, samples, steps,
                             train_loss, val, val_seconds, self.optimizer.param_groups[0]["lr"], memory,
-                            norms)
+                            norms, first)
         reporting.log_memory(self.writer, self.step, memory, self.device)
 
     def finish_epoch_loss(self) -> float:
