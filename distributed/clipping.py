@@ -8,7 +8,8 @@ of squares over ranks in which every element must count exactly once:
 
 - data parallel (DDP, ZeRO-1): after backward every rank holds the same, whole gradients:
   no sum (summing would count each gradient dp times);
-- FSDP: each rank holds a different shard of every gradient: sum over dp;
+- FSDP: each rank holds a different shard of every gradient: sum over dp (HSDP: over the
+  ranks of a sharding group only; the groups hold the same shards);
 - tensor parallel: split weights (``ParamSpec.shard_dim``) are different slices on each tp
   rank: sum over tp; replicated ones (layer norms, row-parallel biases) are equal on every
   tp rank: counted once;
@@ -26,11 +27,11 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed.mesh import ParallelMesh
-from distributed.sharding import local
+from distributed.sharding import is_sharded, local
 from distributed.tags import spec
 
 
-def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh, dp_sharded: bool) -> torch.Tensor:
+def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh) -> torch.Tensor:
     """The 2-norm of the whole model's gradient (collective over the mesh's groups as above)."""
     grads = [p for p in params if p.grad is not None]
     device = grads[0].grad.device if grads else torch.device("cpu")
@@ -44,18 +45,20 @@ def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh, dp_sharded:
     if mesh.size("tp") > 1:
         dist.all_reduce(split, group=mesh.group("tp"))
     total = split + replicated
-    if dp_sharded:
-        dist.all_reduce(total, group=mesh.dp_group)
+    sharded = next((p.grad for p in grads if is_sharded(p.grad)), None)
+    if sharded is not None:  # FSDP: over the mesh dimensions that shard (HSDP: not the replicas)
+        for i, placement in enumerate(sharded.placements):
+            if placement.is_shard():
+                dist.all_reduce(total, group=sharded.device_mesh.get_group(i))
     if mesh.size("pp") > 1:
         dist.all_reduce(total, group=mesh.group("pp"))
     return total.sqrt()
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMesh,
-                   dp_sharded: bool) -> torch.Tensor:
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMesh) -> torch.Tensor:
     """Scale the gradients so that their global norm is at most ``max_norm``; returns the norm
     before clipping (a device tensor: no host sync)."""
-    norm = global_grad_norm(params, mesh, dp_sharded)
+    norm = global_grad_norm(params, mesh)
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:

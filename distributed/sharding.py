@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -84,7 +85,7 @@ def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 def fsdp_active(cfg: Config, mesh: ParallelMesh) -> bool:
-    return cfg.data_parallel == "fsdp" and mesh.dp_size > 1
+    return cfg.data_parallel in ("fsdp", "hsdp") and mesh.dp_size > 1
 
 
 def zero1_active(cfg: Config, mesh: ParallelMesh) -> bool:
@@ -104,22 +105,40 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> nn.Module:
     gather overlaps this block's compute; the root then holds only what no block owns. The
     root is not resharded after forward: backward starts with the head at once.
     With tensor parallelism the shards are of this rank's tensor-parallel slice, over dp."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     tags = {name: spec(p) for name, p in model.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if cfg.amp_mode == "bf16" else MixedPrecisionPolicy()
-    dp_mesh = mesh.device_mesh["dp"]
+    # offload: the shards live in host memory, are copied to the device for each gather, and
+    # Adam steps on the CPU (page-locked host memory on a GPU, for asynchronous copies)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy()
+    dp_mesh = hsdp_mesh(mesh, cfg) if cfg.data_parallel == "hsdp" else mesh.device_mesh["dp"]
     backend = dist.get_backend(mesh.dp_group)
     for block in model.blocks.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=cfg.reshard_after_forward,
-                    mp_policy=policy)
+                    mp_policy=policy, offload_policy=offload)
         compat.fsdp_average_on_gloo(block, backend)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
     compat.fsdp_average_on_gloo(model, backend)
     for name, p in model.named_parameters():  # fully_shard made new (DTensor) parameters
         p.mp_spec = tags[name]
     return model
+
+
+def hsdp_mesh(mesh: ParallelMesh, cfg: Config) -> Any:
+    """HSDP's 2-D mesh of the data ranks: (replicate, shard). Each row of ``dp_shard`` ranks (by
+    default the ranks of one node, where links are fast) shards the model as FSDP does; the rows
+    hold the same shards and average their gradients with an all-reduce across nodes, which
+    sends each gradient once per step instead of gathering weights over the slow network."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    shard = cfg.dp_shard or int(os.environ.get("LOCAL_WORLD_SIZE", mesh.dp_size))
+    if mesh.dp_size % shard:
+        raise ValueError(f"--dp_shard {shard} does not divide the {mesh.dp_size} data-parallel ranks; "
+                         f"choose a divisor (hsdp makes dp / dp_shard groups of dp_shard ranks)")
+    ranks = torch.arange(dist.get_world_size()).reshape(mesh.dp_size // shard, shard)  # dp alone here
+    return DeviceMesh(mesh.device_mesh.device_type, ranks, mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def build_optimizer(model: nn.Module, cfg: Config, mesh: ParallelMesh,

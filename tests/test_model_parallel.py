@@ -233,7 +233,7 @@ def _parity_on_ranks(layouts: list[tuple[int, int]]) -> None:
         # find the serial model's norm, and scale its gradients alike
         limit = 0.5 * torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in serial.parameters()]))
         want_norm = torch.nn.utils.clip_grad_norm_(serial.parameters(), limit.item())
-        got_norm = clip_grad_norm(list(par.parameters()), limit.item(), mesh, dp_sharded=False)
+        got_norm = clip_grad_norm(list(par.parameters()), limit.item(), mesh)
         _close(f"{where} gradient norm", got_norm, want_norm, errors)
         grads = full_state(par, mesh, grads=True)
         largest = max(p.grad.abs().max().item() for p in serial.parameters())

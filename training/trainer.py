@@ -188,9 +188,8 @@ class Trainer:
 
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # scaler.step then knows not to unscale again
-        dp_sharded = sharding.fsdp_active(self.cfg, self.ctx.mesh)
         self.grad_norms.append(clipping.clip_grad_norm(list(self.model.parameters()), self.cfg.grad_clip_norm,
-                                                       self.ctx.mesh, dp_sharded))
+                                                       self.ctx.mesh))
 
     def to_device(self, inp: torch.Tensor, tar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nb = self.device.type == "cuda"

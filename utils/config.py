@@ -27,7 +27,7 @@ AMP_MODES = ("none", "fp16", "bf16")
 DATA_LOADERS = ("pytorch", "dali")
 LR_SCHEDULES = ("cosine", "constant")
 OPTIMIZERS = ("Adam",)
-DATA_PARALLEL = ("ddp", "zero1", "fsdp")
+DATA_PARALLEL = ("ddp", "zero1", "fsdp", "hsdp")
 ATTENTION_KERNELS = ("auto", "default", "flash", "efficient", "cudnn", "math")  # utils/attention.py
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ADAM_BETAS = (0.9, 0.95)  # beta2 0.95, as the tutorial: steadier with large batches
@@ -109,8 +109,15 @@ class Config:
     # data parallel
     data_parallel: str = key("ddp", "how the data-parallel ranks hold the training state: ddp "
                              "(replicated), zero1 (optimizer state sharded), fsdp (parameters, "
-                             "gradients and optimizer state sharded)", "data parallel",
+                             "gradients and optimizer state sharded), hsdp (fsdp within groups of "
+                             "dp_shard ranks, replicated across the groups)", "data parallel",
                              choices=DATA_PARALLEL)
+    dp_shard: int = key(0, "hsdp: ranks in each sharding group; the data-parallel ranks form "
+                           "dp / dp_shard groups that each hold one sharded copy and average "
+                           "gradients between them (0: the ranks of one node)", "data parallel")
+    cpu_offload: bool = key(False, "fsdp / hsdp: keep the parameters, gradients and Adam's state in "
+                                   "host memory (FSDP2's CPUOffloadPolicy); the optimizer steps on "
+                                   "the CPU", "data parallel")
     reshard_after_forward: bool = key(True, "fsdp: free the gathered parameters after forward and "
                                             "gather them again in backward (ZeRO-3; "
                                             "--no-reshard_after_forward keeps them: ZeRO-2)",
@@ -169,6 +176,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "enable_fused", "enable_jit", "attention_kernel", "tensor_parallel", "context_parallel", "parallel_order",
     "bucket_cap_mb", "disable_broadcast_buffers", "rendezvous_timeout_s", "collective_timeout_s",
     "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",
+    "dp_shard", "cpu_offload",
     "pipeline_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",
 })
 

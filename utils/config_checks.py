@@ -110,16 +110,27 @@ def _check_values(cfg: Config) -> None:
 
 
 def _check_data_parallel(cfg: Config) -> None:
+    if cfg.cpu_offload and cfg.data_parallel not in ("fsdp", "hsdp"):
+        raise ValueError(f"--cpu_offload moves FSDP's shards to host memory; use it with "
+                         f"--data_parallel fsdp or hsdp, not {cfg.data_parallel}")
+    if cfg.dp_shard < 0:
+        raise ValueError(f"config key 'dp_shard' must be 0 (the ranks of one node) or more, got "
+                         f"{cfg.dp_shard}")
+    if cfg.data_parallel == "hsdp" and (cfg.tensor_parallel > 1 or cfg.context_parallel > 1
+                                        or cfg.pipeline_parallel > 1):
+        raise ValueError("data_parallel hsdp combines with no other parallel dimension here; use "
+                         "--data_parallel fsdp with tensor or pipeline parallelism")
     if cfg.data_parallel == "ddp":
         return
     if cfg.noddp:
         raise ValueError(f"--noddp switches gradient synchronisation off, which data_parallel "
                          f"{cfg.data_parallel} needs; use --data_parallel ddp with --noddp")
-    if cfg.data_parallel != "fsdp":
+    if cfg.data_parallel not in ("fsdp", "hsdp"):
         return
     if cfg.amp_mode == "fp16":  # FSDP2 keeps no per-rank inf check in sync; bf16 needs no scaler
-        raise ValueError("amp_mode fp16 is not supported with data_parallel fsdp (its loss scaler "
-                         "would need the sharded gradients' inf checks combined); use --amp_mode bf16")
+        raise ValueError(f"amp_mode fp16 is not supported with data_parallel {cfg.data_parallel} (its "
+                         f"loss scaler would need the sharded gradients' inf checks combined); use "
+                         f"--amp_mode bf16")
     if cfg.context_parallel > 1:  # cp needs a gradient sum over cp, which FSDP's reduction lacks
         raise ValueError("data_parallel fsdp does not combine with context_parallel > 1 here; use "
                          "--data_parallel ddp or zero1 with context parallelism")
@@ -161,7 +172,7 @@ def _check_pipeline(cfg: Config) -> None:
     if cfg.pipeline_schedule in INTERLEAVED and m % rounds:
         raise ValueError(f"{cfg.pipeline_schedule} runs micro-batches in rounds of pipeline_parallel "
                          f"{pp}: num_microbatches {m} must be a multiple of {pp} (or at most {pp})")
-    if cfg.pipeline_schedule == "zero_bubble" and cfg.data_parallel == "fsdp":  # seen on torch 2.13
+    if cfg.pipeline_schedule == "zero_bubble" and cfg.data_parallel in ("fsdp", "hsdp"):  # seen on torch 2.13
         raise ValueError("the zero_bubble schedule with data_parallel fsdp trains with gradients that "
                          "differ from the serial model's; use --data_parallel ddp or another schedule")
     if cfg.pipeline_schedule == "zero_bubble" and cfg.enable_jit:
