@@ -36,49 +36,6 @@ MIB = 2**20
 
 
 # ------------------------------------------------------------ the worker (one rank) ---
-class SavedTensorMeter:
-    """Bytes of the tensors autograd keeps for backward that are alive at once: each saved
-    tensor is packed into a holder whose release (when backward is done with it) subtracts
-    its storage again. Parameters are weights, not activations, and are not counted."""
-
-    def __init__(self) -> None:
-        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, holders]
-        self.now = self.peak = 0
-
-    def pack(self, t):
-        import torch
-
-        if isinstance(t, torch.nn.Parameter):
-            return t
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        entry = self.live.setdefault(key, [storage.nbytes(), 0])
-        if entry[1] == 0:
-            self.now += entry[0]
-            self.peak = max(self.peak, self.now)
-        entry[1] += 1
-        return _Held(t, key, self)
-
-    @staticmethod
-    def unpack(held):
-        return held.t if isinstance(held, _Held) else held
-
-    def release(self, key: int) -> None:
-        entry = self.live[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.now -= entry[0]
-            del self.live[key]
-
-
-class _Held:
-    def __init__(self, t, key: int, meter: SavedTensorMeter) -> None:
-        self.t, self.key, self.meter = t, key, meter
-
-    def __del__(self) -> None:
-        self.meter.release(self.key)
-
-
 def worker(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
@@ -86,6 +43,7 @@ def worker(argv: list[str]) -> int:
     from training.launcher import main
     from training.trainer import Trainer
     from utils import device as dev
+    from utils.profiling import SavedTensorMeter
 
     class RecordingTrainer(Trainer):
         def build_model(self):

@@ -200,7 +200,7 @@ def test_a_serial_checkpoint_resumes_in_a_pipeline(serial, data_dir, test_yaml, 
 def test_saved_tensor_meter_counts_what_backward_holds():
     import torch
 
-    from scripts.pipeline_report import SavedTensorMeter
+    from utils.profiling import SavedTensorMeter
 
     meter = SavedTensorMeter()
     w = torch.nn.Parameter(torch.ones(256, 256))

@@ -68,6 +68,20 @@ def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int
         f.write(json.dumps(record) + "\n")
 
 
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds now in parameters, gradients (those that exist) and optimizer state
+    (FSDP: its shards; ZeRO-1: its share)."""
+    def size(t: torch.Tensor) -> int:
+        t = local(t)
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    state = local_optimizer(optimizer).state
+    return {"parameters": sum(size(p) for p in params),
+            "gradients": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer_state": sum(size(v) for s in state.values() for v in s.values() if torch.is_tensor(v))}
+
+
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer,
                   device: torch.device) -> dict[str, float]:
     """What this rank holds (MiB), on every device; the allocator's peak on CUDA."""

@@ -35,7 +35,7 @@ from utils import device as dev
 from utils.config import Config
 from utils.data_loader import Batches, get_data_loader
 from utils.metrics import latitude_weights, relative_l2_loss
-from utils.profiling import ProfilingWindow
+from utils.profiling import MemoryRecord, ProfilingWindow
 from utils.signals import received
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ class Trainer:
         self.lat_weights = latitude_weights(cfg.img_size[0], self.device)
         self.profiling = ProfilingWindow(cfg, self.device, ctx.run_dir, ctx.rank,
                                          self.train_data.batches_per_epoch)
+        self.memory_record = MemoryRecord(cfg, self.device, ctx.run_dir, ctx.rank,
+                                          lambda: reporting.held_bytes(self.model, self.optimizer))
         self.step = 0  # optimizer steps done
         self.epoch_loss = torch.zeros((), device=self.device)  # running sum in this epoch
         self.epoch_steps = 0
@@ -204,7 +206,7 @@ class Trainer:
             if self.step >= self.cfg.num_iters:
                 break
             with self.profiling.step(epoch, start_batch + done, self.step), \
-                    dev.nvtx_range(f"step {self.step}"):
+                    self.memory_record.step(self.step), dev.nvtx_range(f"step {self.step}"):
                 with dev.nvtx_range(f"data copy in {self.step}"):
                     inp, tar = self.to_device(*batch)
                 with reporting.compile_notice(self.device, self.cfg.enable_jit and

@@ -78,3 +78,16 @@ def fsdp_average_on_gloo(module: torch.nn.Module, backend: str) -> None:
     """
     if backend == "gloo":
         module.set_force_sum_reduction_for_comms(True)
+
+
+# The CUDA allocator's history (its memory snapshot) has only underscored entry points, in
+# every supported version; the memory record (utils/profiling.py) calls them from here.
+def cuda_memory_history(enabled: bool) -> None:
+    """Start (up to 100000 allocation events, with their stacks) or stop recording."""
+    torch.cuda.memory._record_memory_history(max_entries=100_000 if enabled else 0,
+                                             enabled="all" if enabled else None)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """The recorded history as a pickle for https://pytorch.org/memory_viz."""
+    torch.cuda.memory._dump_snapshot(path)

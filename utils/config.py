@@ -145,6 +145,10 @@ class Config:
     profile_start_step: int = key(0, "first profiled step of that epoch (0-based)", "profiling")
     profile_num_steps: int | None = key(None, "steps in the window (default: to epoch end)",
                                         "profiling")
+    memory_snapshot: bool = key(False, "record one step's memory by kind (parameters, gradients, "
+                                       "optimizer state, activations) into RUN_DIR/memory "
+                                       "(scripts/plot_memory.py draws it); on CUDA also the "
+                                       "allocator's history for pytorch.org/memory_viz", "profiling")
     profile: bool = key(False, "write a torch.profiler trace of the window to RUN_DIR/profile "
                                "(CPU or GPU)", "profiling")
 
@@ -172,7 +176,8 @@ class Config:
 MAY_CHANGE_ON_RESUME = frozenset({
     "num_iters", "data_dir", "num_data_workers", "data_loader_config", "dali_start_method", "expdir",
     "checkpoint_every",
-    "stop_check_every", "profile_epoch", "profile_start_step", "profile_num_steps", "profile",
+    "stop_check_every", "memory_snapshot", "profile_epoch", "profile_start_step", "profile_num_steps",
+    "profile",
     "enable_fused", "enable_jit", "attention_kernel", "tensor_parallel", "context_parallel", "parallel_order",
     "bucket_cap_mb", "disable_broadcast_buffers", "rendezvous_timeout_s", "collective_timeout_s",
     "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",

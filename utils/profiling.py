@@ -17,12 +17,14 @@ scripts do that; a rank without nsys is not affected by the calls). With ``profi
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+from utils import compat
 from utils import device as dev
 from utils.config import Config
 
@@ -93,3 +95,120 @@ class ProfilingWindow:
             self._torch_prof = None
             log.info("torch.profiler trace written to %s", self.trace_dir)
         log.info("profiling window closed")
+
+
+class SavedTensorMeter:
+    """Bytes of the tensors autograd keeps for backward that are alive at once: each saved
+    tensor is packed into a holder whose release (when backward is done with it) subtracts
+    its storage again. Parameters are weights, not activations, and are not counted."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, holders]
+        self.now = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> object:
+        if isinstance(t, torch.nn.Parameter):
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        entry = self.live.setdefault(key, [storage.nbytes(), 0])
+        if entry[1] == 0:
+            self.now += entry[0]
+            self.peak = max(self.peak, self.now)
+        entry[1] += 1
+        return _Held(t, key, self)
+
+    @staticmethod
+    def unpack(held):
+        return held.t if isinstance(held, _Held) else held
+
+    def release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[key]
+
+
+class _Held:
+    def __init__(self, t, key: int, meter: SavedTensorMeter) -> None:
+        self.t, self.key, self.meter = t, key, meter
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+MEMORY_DIR = "memory"
+
+
+PHASES = ("forward", "backward", "optimizer")  # the trainer's ranges the record closes on
+
+
+class MemoryRecord:
+    """``memory_snapshot``: where memory goes during one training step, kind by kind.
+
+    The step is the second this process runs (the first allocates Adam's state) or, with one
+    step left, the first. Each rank writes ``RUN_DIR/memory/memory_phases_rank<N>.json``,
+    counted here in any layout: the bytes this rank holds in parameters, gradients and
+    optimizer state (``held()``: FSDP shards, ZeRO-1's share) and in activations (what autograd
+    keeps for backward, SavedTensorMeter), at the step's start and at the end of its forward,
+    backward and optimizer ranges (the last ends with ``zero_grad``), with the activations'
+    peak and the process's peak (CUDA allocator, or resident set) during the step;
+    scripts/plot_memory.py draws it. (torch.profiler's ``export_memory_timeline`` sorts every
+    allocation by kind too, but it is deprecated from torch 2.13 on and its analysis failed on
+    FSDP2 steps here.)
+
+    On CUDA the allocator's history is written too, ``memory_snapshot_rank<N>.pickle``: every
+    block with the stack that allocated it, for PyTorch's viewer (https://pytorch.org/memory_viz).
+    """
+
+    def __init__(self, cfg: Config, device: torch.device, run_dir: Path, rank: int,
+                 held: Callable[[], dict[str, int]]) -> None:
+        self.enabled, self.num_iters = cfg.memory_snapshot, cfg.num_iters
+        self.device, self.rank, self.out, self.held = device, rank, run_dir / MEMORY_DIR, held
+        self.target: int | None = None
+
+    @contextlib.contextmanager
+    def step(self, global_step: int) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        if self.target is None:
+            self.target = min(global_step + 1, self.num_iters - 1)
+        if global_step != self.target:
+            yield
+            return
+        cuda = self.device.type == "cuda"
+        if cuda:
+            compat.cuda_memory_history(True)
+        meter, phases = SavedTensorMeter(), []
+
+        def record(name: str) -> None:
+            dev.synchronize(self.device)
+            phases.append({"phase": name, **self.held(), "activations": meter.now})
+
+        @contextlib.contextmanager
+        def at_end(name: str) -> Iterator[None]:
+            yield
+            if name in PHASES:
+                record(name)
+
+        dev.reset_peak_memory(self.device)
+        dev.reset_process_peak()
+        record("start")
+        dev.RANGE_HOOKS.append(at_end)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                yield
+        finally:
+            dev.RANGE_HOOKS.remove(at_end)
+        self.out.mkdir(parents=True, exist_ok=True)
+        peak = dev.peak_memory_bytes(self.device) or dev.process_peak_rss_bytes()
+        summary = {"step": global_step, "device": str(self.device), "phases": phases,
+                   "activations_peak": meter.peak, "process_peak": peak,
+                   "process_peak_kind": "CUDA allocator" if cuda else "resident set"}
+        (self.out / f"memory_phases_rank{self.rank}.json").write_text(json.dumps(summary, indent=1))
+        if cuda:
+            compat.dump_cuda_memory_snapshot(str(self.out / f"memory_snapshot_rank{self.rank}.pickle"))
+            compat.cuda_memory_history(False)
+        log.info("memory of step %d written to %s", global_step, self.out)

@@ -1,0 +1,51 @@
+"""--memory_snapshot (utils/profiling.py, MemoryRecord) and scripts/plot_memory.py."""
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import REPO  # noqa: F401  (puts the repository on sys.path)
+from training.context import RunContext
+from training.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def recorded(data_dir, tmp_path_factory):
+    from tests.conftest import make_cfg
+
+    tmp = tmp_path_factory.mktemp("memory")
+    cfg = make_cfg(data_dir, tmp / "logs", memory_snapshot=True, num_iters=3)
+    trainer = Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp / "run"), 4)
+    trainer.fit()
+    return trainer, tmp / "run"
+
+
+def test_one_step_by_kind(recorded):
+    trainer, run_dir = recorded
+    files = sorted(p.name for p in (run_dir / "memory").iterdir())
+    assert files == ["memory_phases_rank0.json"]  # CPU: no allocator history
+    record = json.loads((run_dir / "memory" / files[0]).read_text())
+    assert record["step"] == 1  # the second step: Adam's state exists
+    phases = {p["phase"]: p for p in record["phases"]}
+    assert list(phases) == ["start", "forward", "backward", "optimizer"]
+    weights = 4 * trainer.n_params  # fp32
+    assert all(p["parameters"] == weights for p in phases.values())
+    # Adam: two moments per parameter, and a step count per tensor
+    assert all(p["optimizer_state"] >= 2 * weights for p in phases.values())
+    assert phases["start"]["gradients"] == 0 and phases["backward"]["gradients"] == weights
+    assert phases["optimizer"]["gradients"] == 0  # zero_grad(set_to_none) ends the range
+    assert phases["forward"]["activations"] > weights  # kept for backward...
+    assert phases["backward"]["activations"] == 0  # ...and released by it
+    assert record["activations_peak"] >= phases["forward"]["activations"]
+    assert record["process_peak"] > 0
+
+
+def test_plot_and_its_one_line_error(recorded, tmp_path, capsys):
+    from scripts.plot_memory import main
+
+    _, run_dir = recorded
+    assert main([str(run_dir), str(run_dir), "--out", str(tmp_path / "m.png")]) == 0
+    assert (tmp_path / "m.png").stat().st_size > 0
+    assert main([str(tmp_path), "--out", str(tmp_path / "n.png")]) == 2
+    assert capsys.readouterr().err.startswith("error: ") and not (tmp_path / "n.png").exists()
