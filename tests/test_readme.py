@@ -220,6 +220,7 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
     "plot_model_sizes.py": lambda runner: [],  # the runs of the commands just before it
     "plot_profile.py": lambda runner: [],  # the trace of the profiling command before it
     "mp_memory.py": lambda runner: [],  # no data, no output files: runs as written
+    "plot_memory.py": lambda runner: [],  # the two --memory_snapshot runs before it
     "sharding_report.py": lambda runner: [  # 2 ranks (1 is the same code unsharded), one step
         "--ranks", "2", "--steps", "1", "--checkpointing", "none", "full",  # each; selective between
         "--", "--data_dir", str(runner.data_for("tiny_large"))],
