@@ -466,7 +466,7 @@ def attention_table(cfg: Config, batch: int, device: torch.device, amp: str) -> 
     shape, kv_len = attention.call_shape(cfg, batch)
     rows = []
     for mode in ("none", amp):
-        chosen = attention.choose("auto", device, DTYPES[mode], shape, kv_len)
+        chosen = attention.choose("auto", device, DTYPES[mode], kv_len)
         for name, (fwd, bwd) in attention.time_kernels(shape, kv_len, DTYPES[mode], device).items():
             rows.append({"dtype": "fp32" if mode == "none" else mode, "kernel": name,
                          "forward_ms": 1e3 * fwd, "backward_ms": 1e3 * bwd, "chosen": name == chosen})
@@ -495,8 +495,8 @@ def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[
     h, w = cfg.img_size
     inp = torch.randn(batch, cfg.n_in_channels, h, w, device=device)
     tar = torch.randn(batch, cfg.n_out_channels, h, w, device=device)
-    shape, kv_len = attention.call_shape(cfg, batch)
-    kernel = attention.choose(cfg.attention_kernel, device, DTYPES[amp], shape, kv_len)
+    _, kv_len = attention.call_shape(cfg, batch)
+    kernel = attention.choose(cfg.attention_kernel, device, DTYPES[amp], kv_len)
 
     def step() -> None:
         with dev.autocast(device, amp), attention.kernel(kernel):
@@ -555,7 +555,7 @@ def markdown(report: dict[str, Any]) -> str:
         shape = report["attention_shape"]
         lines += ["", f"One attention call of the model, queries and keys {shape} (batch, heads, "
                       "tokens, head dim), median of 3; `default` is torch's own pick, **bold** the "
-                      "kernel `attention_kernel: auto` takes (fp32: always torch's pick):", "",
+                      "kernel `attention_kernel: auto` takes:", "",
                   "| dtype | kernel | forward ms | backward ms | total ms |", "|---|---|---|---|---|"]
         for a in report["attention"]:
             name = f"**{a['kernel']}**" if a["chosen"] else a["kernel"]

@@ -124,13 +124,10 @@ class Trainer:
         return model
 
     def choose_attention_kernel(self) -> str:
-        """The attention kernel for this run's device and precision (utils/attention.py), timed
-        on the shape of this rank's attention calls."""
-        cfg, mesh = self.cfg, self.ctx.mesh
-        shape, kv_len = attention.call_shape(cfg, self.local_batch // cfg.grad_accum_steps,
-                                             mesh.size("tp"), mesh.size("cp"))
-        dtype = dev.AMP_DTYPES[cfg.amp_mode] or torch.float32
-        return attention.choose(cfg.attention_kernel, self.device, dtype, shape, kv_len)
+        """The attention kernel for this run's device and precision (utils/attention.py)."""
+        _, kv_len = attention.call_shape(self.cfg, self.local_batch)
+        dtype = dev.AMP_DTYPES[self.cfg.amp_mode] or torch.float32
+        return attention.choose(self.cfg.attention_kernel, self.device, dtype, kv_len)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return sharding.build_optimizer(self.model, self.cfg, self.ctx.mesh,

@@ -4,19 +4,17 @@
 never stores the N x N attention matrix), *efficient* (memory-efficient, CUDA only), *cudnn*
 (CUDA only) and *math* (the plain softmax(q k^T / sqrt(d)) v in separate ops). torch picks one
 by a fixed priority, which is right on a GPU but not always on a CPU: there the flash kernel's
-backward in bf16 was measured up to several times slower than the math kernel for short
-sequences (the optimizations page has the table), enough to make a whole mixed-precision step
-slower than fp32.
+backward in reduced precision is slow (the optimizations page has the table), enough to make
+a whole mixed-precision step slower than fp32.
 
 The config key ``attention_kernel`` chooses: a kernel's name, ``default`` (torch's own
-choice), or ``auto``. ``auto`` keeps torch's choice in fp32 (the parity tests' precision:
-every layout then runs the same kernel without measuring anything) and, for bf16 and fp16,
-times forward + backward of every kernel this device has on the run's attention shape once,
-at start-up, and keeps the fastest, provided it beats torch's choice by ``MARGIN`` (so that
-two runs of one command do not flip between two kernels of about the same speed, which
-round differently). Every rank adds up the same timings, so all ranks choose alike; trainers
-in one process reuse the first answer; a resumed run keeps the kernel its checkpoint names.
-The choice is logged.
+choice), or ``auto``: torch's choice, except on a CPU in reduced precision, where measurements
+on this course's machine (forward + backward, ``time_kernels``; scripts/benchmark.py prints
+the table for yours) put math ahead of flash in fp16 at every length up to 1024 keys, and in
+bf16 below 160 keys (1.5-2.7x at 64-128 keys; flash 1.2-3.5x faster from 192 on). A rule, not
+a timing at start-up: two runs of one command must compute alike (timed choices flipped
+between processes and changed bf16 losses), and every rank of a layout takes the same kernel
+without talking. The choice is logged; a resumed run keeps the kernel its checkpoint names.
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ KERNELS: dict[str, SDPBackend] = {
     "math": SDPBackend.MATH,
 }
 CUDA_ONLY = ("efficient", "cudnn")
-MARGIN = 1.25  # another kernel replaces torch's choice only when this many times faster
-_chosen: dict[tuple, str] = {}  # (device, dtype, shape, kv_len) -> the kernel auto chose
+BF16_FLASH_FROM = 160  # keys: on a CPU in bf16, flash from here on (measured: between 128 and 192)
 
 
 def kernel(name: str) -> contextlib.AbstractContextManager:
@@ -113,46 +110,15 @@ def time_kernels(shape: tuple[int, int, int, int], kv_len: int, dtype: torch.dty
     return times
 
 
-def choose(setting: str, device: torch.device, dtype: torch.dtype,
-           shape: tuple[int, int, int, int], kv_len: int, group=None) -> str:
-    """The kernel to use for ``setting`` (see the module's docstring); collective when ``auto``
-    times in a distributed run (every rank of ``group``, default the world, must call it)."""
+def choose(setting: str, device: torch.device, dtype: torch.dtype, kv_len: int) -> str:
+    """The kernel for ``setting`` (see the module's docstring) for attention over ``kv_len`` keys."""
     if setting != "auto":
         check_available(setting, device)
         return setting
-    if dtype == torch.float32:
-        return "default"
-    key = (str(device), dtype, shape, kv_len)
-    if key not in _chosen:
-        timed = time_kernels((min(shape[0], 4), *shape[1:]), kv_len, dtype, device)
-        _chosen[key] = fastest(agree({n: f + b for n, (f, b) in timed.items()}, device, group))
-        log.info("attention kernel %s for %s on %s", _chosen[key], str(dtype).removeprefix("torch."),
-                 device.type)
-    return _chosen[key]
-
-
-def fastest(times: dict[str, float]) -> str:
-    """The fastest kernel of ``times``, unless torch's own pick ('default') is within MARGIN."""
-    default = times.get("default")
-    named = {n: t for n, t in times.items() if n != "default"}
-    if not named:
-        return "default"
-    best = min(named, key=named.get)
-    log.info("attention forward + backward per call: %s",
-             ", ".join(f"{n} {1e3 * t:.2f} ms" for n, t in sorted(times.items(), key=lambda x: x[1])))
-    return "default" if default is not None and named[best] * MARGIN > default else best
-
-
-def agree(times: dict[str, float], device: torch.device, group=None) -> dict[str, float]:
-    """Every rank's timings summed (the kernels every rank could run), so all ranks decide alike;
-    the timings themselves in a single process."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return times
-    everyone: list = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(everyone, list(times), group=group)
-    names = [n for n in times if all(n in other for other in everyone)]  # same order on every rank
-    backend = str(torch.distributed.get_backend(group))
-    total = torch.tensor([times[n] for n in names], dtype=torch.float64,
-                         device=device if "nccl" in backend else "cpu")
-    torch.distributed.all_reduce(total, group=group)
-    return dict(zip(names, total.cpu().tolist()))
+    kernel = "default"
+    if device.type == "cpu" and (dtype == torch.float16
+                                 or (dtype == torch.bfloat16 and kv_len < BF16_FLASH_FROM)):
+        kernel = "math"
+    log.info("attention kernel %s (%s on %s, %d keys)", kernel, str(dtype).removeprefix("torch."),
+             device.type, kv_len)
+    return kernel

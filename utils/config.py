@@ -79,9 +79,9 @@ class Config:
                                      "(0 = off); the norm before clipping is logged every step",
                                 "optimisation")
     amp_mode: str = key("none", "mixed precision", "optimisation", choices=AMP_MODES)
-    attention_kernel: str = key("auto", "scaled-dot-product-attention kernel: auto (bf16/fp16: the "
-                                "fastest, timed at start-up; fp32: torch's pick), default (torch's "
-                                "pick), flash, efficient, cudnn or math", "optimisation",
+    attention_kernel: str = key("auto", "scaled-dot-product-attention kernel: auto (torch's pick, but "
+                                "math on a CPU in fp16, and in bf16 below 160 tokens), default "
+                                "(torch's pick), flash, efficient, cudnn or math", "optimisation",
                                 choices=ATTENTION_KERNELS)
     enable_fused: bool = key(False, "fused Adam (--no-enable_fused to switch off)", "optimisation")
     enable_jit: bool = key(False, "torch.compile the model and loss (--no-enable_jit to switch off)",
