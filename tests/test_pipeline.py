@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from ruamel.yaml import YAML
 
 from distributed.pipeline import cut_stage, describe_split, rank_stages, split_blocks
@@ -235,3 +236,20 @@ def test_report_records_every_micro_batch_of_every_stage(data_dir, test_yaml, tm
         runs = sorted((kind, mb) for kind, _, mb, _, _ in lane["events"])
         assert runs == sorted((k, mb) for k in "FB" for mb in range(4)), lane["rank"]
     assert (out / "pipeline_timeline.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("first, last, validating, moved", [
+    (True, False, False, ("inp",)), (False, False, False, ()), (False, True, False, ("tar",)),
+    (False, True, True, ("inp", "tar")), (True, True, False, ("inp", "tar")),
+])
+def test_a_stage_copies_only_what_it_reads(first, last, validating, moved):
+    """The batch goes to a stage's device only where the stage reads it (the meta device stands
+    in for a GPU: a tensor moved there is no longer on the CPU)."""
+    from types import SimpleNamespace
+
+    from training.pipelined import PipelineTrainer
+
+    fake = SimpleNamespace(device=torch.device("meta"), validating=validating,
+                           model=SimpleNamespace(is_first=first, is_last=last))
+    inp, tar = PipelineTrainer.to_device(fake, torch.zeros(2, 3), torch.zeros(2, 3))
+    assert tuple(n for n, t in (("inp", inp), ("tar", tar)) if t.is_meta) == moved

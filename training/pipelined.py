@@ -72,8 +72,26 @@ class PipelineTrainer(Trainer):
     def metric_groups(self) -> list[Any]:
         return [self.ctx.dp_group, self.model.group]
 
+    validating = False
+
+    def to_device(self, inp: torch.Tensor, tar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only the tensors this rank's stages read go to its device: the input for the first
+        stage, the target for the last (in validation the last stage also reads the input, for
+        persistence). A middle stage on a GPU would otherwise copy a whole batch it never reads
+        every step; it keeps the host tensors, whose shapes are all it needs."""
+        nb = self.device.type == "cuda"
+        if self.model.is_first or (self.model.is_last and self.validating):
+            inp = inp.to(self.device, non_blocking=nb)
+        if self.model.is_last:
+            tar = tar.to(self.device, non_blocking=nb)
+        return inp, tar
+
     def validate(self) -> dict[str, Any]:
-        result = super().validate()
+        self.validating = True
+        try:
+            result = super().validate()
+        finally:
+            self.validating = False
         result["example"] = self.model.from_last_stage(result["example"])  # for rank 0's images
         return result
 
