@@ -31,6 +31,7 @@ from torch import nn
 from distributed.mesh import ParallelMesh
 from distributed.tags import spec
 from utils import compat
+from utils import device as dev
 from utils.config import Config
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> nn.Module:
         if cfg.amp_mode == "bf16" else MixedPrecisionPolicy()
     # offload: the shards live in host memory, are copied to the device for each gather, and
     # Adam steps on the CPU (page-locked host memory on a GPU, for asynchronous copies)
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.cpu_offload else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=dev.cuda_available()) if cfg.cpu_offload else OffloadPolicy()
     dp_mesh = hsdp_mesh(mesh, cfg) if cfg.data_parallel == "hsdp" else mesh.device_mesh["dp"]
     backend = dist.get_backend(mesh.dp_group)
     for block in model.blocks.values():

@@ -85,13 +85,13 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer,
                   device: torch.device) -> dict[str, float]:
     """What this rank holds (MiB), on every device; the allocator's peak on CUDA."""
-    params = [local(p) for p in model.parameters()]  # under FSDP: this rank's shards
-    state = local_optimizer(optimizer).state  # under ZeRO-1: this rank's share
+    held = held_bytes(model, optimizer)  # under FSDP: this rank's shards; ZeRO-1: its share
+    params = [local(p) for p in model.parameters()]
     report = {
-        "parameters_MiB": sum(p.numel() * p.element_size() for p in params) / MIB,
+        "parameters_MiB": held["parameters"] / MIB,
+        # the gradients a step holds (after zero_grad(set_to_none) there are none to count)
         "gradients_MiB": sum(p.numel() * p.element_size() for p in params if p.requires_grad) / MIB,
-        "optimizer_MiB": sum(local(v).numel() * local(v).element_size() for s in state.values()
-                             for v in s.values() if torch.is_tensor(v)) / MIB,
+        "optimizer_MiB": held["optimizer_state"] / MIB,
     }
     peak = dev.peak_memory_bytes(device)
     if peak is not None:

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from utils import device as dev
+
 if TYPE_CHECKING:
     from utils.config import Config
 
@@ -83,8 +85,7 @@ def time_kernels(shape: tuple[int, int, int, int], kv_len: int, dtype: torch.dty
         return t.requires_grad_()
 
     def clock() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        dev.synchronize(device)
         return time.perf_counter()
 
     q, k, v = leaf(n), leaf(kv_len), leaf(kv_len)
@@ -104,7 +105,7 @@ def time_kernels(shape: tuple[int, int, int, int], kv_len: int, dtype: torch.dty
                     if i:
                         forward.append(t1 - t0)
                         backward.append(t2 - t1)
-        except (RuntimeError, torch.cuda.OutOfMemoryError):  # not for these shapes or this device
+        except RuntimeError:  # not for these shapes or this device (out of memory included)
             continue
         times[name] = (statistics.median(forward), statistics.median(backward))
     return times
