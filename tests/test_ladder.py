@@ -215,6 +215,13 @@ def test_benchmark_smoke_writes_every_field(cfg_factory, tmp_path, capsys):
     assert report["rungs"][2]["settings"]["data_loader_config"] == "dali"
     assert report["rungs"][3]["settings"]["amp_mode"] == "bf16"
     assert report["bare"][0]["samples_per_sec"] > 0
+    # each rung against a bare loop with its own settings, run right after it
+    assert len(report["bare"]) == len(rungs)
+    assert all(r["vs_bare"] == r["samples_per_sec"] / b["samples_per_sec"]
+               and b["settings"]["amp_mode"] == r["settings"]["amp_mode"]
+               for r, b in zip(report["rungs"], report["bare"]))
+    assert {a["dtype"] for a in report["attention"]} == {"fp32", "bf16"}
+    assert sum(a["chosen"] for a in report["attention"]) == 2  # one kernel per dtype
     assert report["best"]["samples_per_sec_vs_bare"] > 0
     table = (out / "benchmark.md").read_text()
     assert all(f"| {name} |" in table for name in rungs)
