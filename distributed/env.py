@@ -133,6 +133,18 @@ def init_distributed(env: DistEnv, device: torch.device, collective_timeout_s: f
         device_id=device if device.type == "cuda" else None,
     )
     log.info("process group: %s, world size %d", dev.backend_for(device), env.world_size)
+    global _heartbeat
+    from distributed import health  # only distributed runs
+
+    _heartbeat = health.start(env.master_addr, env.master_port, env.rank, env.world_size)
+
+
+_heartbeat = None  # this rank's distributed.health.Heartbeat, once the process group is up
+
+
+def heartbeat():
+    """This rank's heartbeat (distributed/health.py), or None in a single process."""
+    return _heartbeat
 
 
 def _rendezvous(env: DistEnv, timeout_s: float) -> dist.Store:

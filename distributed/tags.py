@@ -118,9 +118,27 @@ def wrap_data_parallel(model: nn.Module, mesh: ParallelMesh, device: torch.devic
         ddp = DistributedDataParallel(model, device_ids=ids, process_group=mesh.dp_group, **options)
         if needs_grad_sum(model):
             ddp.register_comm_hook(None, ddp_comm_hook(mesh))
+        elif cfg is not None and cfg.grad_compression != "none":  # imported only when compressing
+            from distributed.compression import compress_gradients
+
+            compress_gradients(ddp, cfg, mesh.dp_group)
         return ddp
     install_grad_sum_hooks(model, mesh)
     return model
+
+
+def gradient_bytes(model: nn.Module, steps: int) -> int | None:
+    """Bytes of gradients this rank handed to DDP's all-reduce over the last ``steps`` optimizer
+    steps (None without DDP): counted by the compression hook when there is one
+    (distributed/compression.py), else every gradient once per step in fp32 (DDP reduces every
+    bucket once per step; accumulation's no_sync steps send nothing)."""
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    state = getattr(model, "comm_state", None)
+    if state is not None:
+        sent, state.bytes_sent = state.bytes_sent, 0
+        return sent
+    return steps * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -221,8 +221,8 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
     "plot_profile.py": lambda runner: [],  # the trace of the profiling command before it
     "mp_memory.py": lambda runner: [],  # no data, no output files: runs as written
     "plot_memory.py": lambda runner: [],  # the two --memory_snapshot runs before it
-    "sharding_report.py": lambda runner: [  # 2 ranks (1 is the same code unsharded), one step
-        "--ranks", "2", "--steps", "1", "--checkpointing", "none", "full",  # each; selective between
+    "sharding_report.py": lambda runner: [  # 2 ranks (1 is the same code unsharded), one step each;
+        "--ranks", "2", "--steps", "1", "--checkpointing", "full",  # "none" is the ranks' code again
         "--", "--data_dir", str(runner.data_for("tiny_large"))],
     "pipeline_report.py": lambda runner: [  # zero bubble (F, B and W parts) on 2 stages, 2 steps
         "--schedules", "zero_bubble", "--stages", "2", "--microbatches", "4", "--steps", "2",

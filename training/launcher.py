@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from distributed import mesh as meshes
-from distributed.env import any_rank, init_distributed, parse_env
+from distributed.env import any_rank, heartbeat, init_distributed, parse_env
 from training import run_dir as rundir
 from training.context import RunContext, local_batch_size
 from training.trainer import Trainer, TrainingError
@@ -203,6 +203,9 @@ def train(trainer: Trainer, cfg: Config, ctx: RunContext) -> int:
         return 1
     except Exception:
         log.error("rank %d failed:\n%s", ctx.rank, traceback.format_exc())
+        beat = heartbeat()
+        if beat is not None:  # a collective that gave up: say who did not arrive (distributed/health.py)
+            log.error("%s", beat.diagnosis())
         return 1
     finally:
         signals.restore_handlers()

@@ -33,7 +33,8 @@ def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int
               grad_norms: list[float] | None = None, extra: dict[str, Any] | None = None) -> None:
     """Log one epoch (every rank's logger; rank 0 alone has a ``writer`` and writes files).
     ``grad_norms``: the gradient norm before clipping of each of the epoch's steps, when clipping;
-    ``extra``: more keys for the metrics record (the first record's ``build_peak_MiB``)."""
+    ``extra``: more keys for the metrics record (the first record's ``build_peak_MiB``, DDP's
+    ``grad_comm_bytes_per_step``)."""
     rate = samples / seconds if seconds > 0 else float("nan")
     log.info("Time taken for epoch %d is %.2f sec, avg %.2f samples/sec", epoch + 1, seconds, rate)
     log.info("  Avg train loss=%.6f", train_loss)
@@ -52,6 +53,8 @@ def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int
         writer.add_scalar("Gradient norm/before clipping", norm, step - len(grad_norms) + i + 1)
     writer.add_scalar("Avg iters per sec", steps / seconds if seconds > 0 else 0.0, step)
     writer.add_scalar("Avg samples per sec", rate, step)
+    if "grad_comm_bytes_per_step" in (extra or {}):
+        writer.add_scalar("Communication/gradient MB per step", extra["grad_comm_bytes_per_step"] / 1e6, step)
     if val["example"] is not None and "t2m" in val["rmse"]:
         from utils.plots import target_vs_prediction
 

@@ -22,10 +22,10 @@ from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
 from distributed import consolidate, sharding
-from distributed.env import all_reduce_max, all_reduce_sum
+from distributed.env import all_reduce_max, all_reduce_sum, heartbeat
 from distributed.parallelize import parallelize, serial_values
 from distributed.stop import StopAgreement
-from distributed.tags import unwrap
+from distributed.tags import gradient_bytes, unwrap
 from networks.vit import build_vit, count_parameters
 from training import checkpointing, reporting, validation
 from training.context import RunContext, TrainingError
@@ -91,6 +91,15 @@ class Trainer:
         self.stop_agreement = StopAgreement(self.device, cfg.stop_check_every)
         self.stopped_early = False  # a stop signal ended training before num_iters
         self._steps_at_start = 0  # the step this process started from (set by fit)
+        self.heartbeat = heartbeat()  # where this rank is, for the diagnosis of a hang
+        if self.heartbeat is not None:
+            from distributed.health import collectives_by_phase  # loaded by distributed runs only
+
+            mesh = ctx.mesh
+            self.heartbeat.collectives = collectives_by_phase(
+                ddp=hasattr(self.model, "no_sync"), fsdp=sharding.fsdp_active(cfg, mesh),
+                zero1=cfg.data_parallel == "zero1" and mesh.dp_size > 1, model_parallel=mesh.model_parallel,
+                pipeline=cfg.pipeline_parallel > 1, clipping=bool(cfg.grad_clip_norm))
         # the process's peak memory up to here (model built, sharded, data loaders started), for
         # the first metrics record: a model that cannot fit one device must not be built whole
         peak = dev.peak_memory_bytes(self.device) or dev.process_peak_rss_bytes()
@@ -159,8 +168,10 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(zip(inp.chunk(n), tar.chunk(n))):
             with sharding.gradient_sync(self.model, enabled=i == n - 1):
+                self.mark("forward")
                 with dev.nvtx_range("forward"):
                     loss = self.forward_loss(x, y) / n
+                self.mark("backward")
                 with dev.nvtx_range("backward"):
                     (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
@@ -168,6 +179,7 @@ class Trainer:
         return total
 
     def optimizer_step(self) -> None:
+        self.mark("optimizer step")
         with dev.nvtx_range("optimizer"):
             if self.cfg.grad_clip_norm:
                 self.clip_gradients()
@@ -214,6 +226,7 @@ class Trainer:
             self.step += 1
             self.epoch_steps += 1
             done += 1
+            self.mark("stop check")
             if self.stop_agreement.poll(self.step):
                 self.stopped_early = True
                 break
@@ -239,6 +252,7 @@ class Trainer:
     def validate(self) -> dict[str, Any]:
         """Loss and RMSE over every validation sample of every data-parallel rank."""
         self.model.eval()
+        self.mark("validation")
         self.valid_data.set_epoch(0)
         pad_to = 0  # FSDP gathers weights in every forward: every dp rank runs as many batches
         if sharding.fsdp_active(self.cfg, self.ctx.mesh):
@@ -267,10 +281,16 @@ class Trainer:
         consolidate.load_full_optimizer_state(self.optimizer, state, self.ctx.mesh)
 
     def save_checkpoint(self) -> None:
+        self.mark("checkpoint")
         checkpointing.save(self)
 
     def load_checkpoint(self, path: Path) -> None:
         checkpointing.load(self, path)
+
+    def mark(self, phase: str) -> None:
+        """Where this rank is in its work, for the diagnosis of a hang (distributed/health.py)."""
+        if self.heartbeat is not None:
+            self.heartbeat.mark(self.step, phase)
 
     # ------------------------------------------------------------------- logging ---
     def open_writer(self) -> None:
@@ -283,15 +303,19 @@ class Trainer:
         memory = reporting.memory_report(self.raw_model, self.optimizer, self.device)
         norms = torch.stack(self.grad_norms).tolist() if self.grad_norms else None  # one host sync
         self.grad_norms = []
-        first = {"build_peak_MiB": self.build_peak_MiB} if self.build_peak_MiB is not None else {}
+        extra = {"build_peak_MiB": self.build_peak_MiB} if self.build_peak_MiB is not None else {}
         self.build_peak_MiB = None  # in this process's first record only
+        sent = gradient_bytes(self.model, steps)  # DDP's gradient all-reduce (compressed or not)
+        if sent is not None and steps:
+            extra["grad_comm_bytes_per_step"] = sent / steps
         reporting.log_epoch(self.writer, self.ctx.run_dir, epoch, self.step, seconds, samples, steps,
                             train_loss, val, val_seconds, self.optimizer.param_groups[0]["lr"], memory,
-                            norms, first)
+                            norms, extra)
         reporting.log_memory(self.writer, self.step, memory, self.device)
 
     def finish_epoch_loss(self) -> float:
         """Average training loss of the epoch over all data-parallel ranks (one host sync)."""
+        self.mark("epoch end")
         total = all_reduce_sum(self.epoch_loss.clone(), self.ctx.dp_group).item()
         mean = total / max(1, self.epoch_steps * self.ctx.dp_size)
         if not math.isfinite(mean):

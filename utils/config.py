@@ -28,6 +28,7 @@ DATA_LOADERS = ("pytorch", "dali")
 LR_SCHEDULES = ("cosine", "constant")
 OPTIMIZERS = ("Adam",)
 DATA_PARALLEL = ("ddp", "zero1", "fsdp", "hsdp")
+GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 ATTENTION_KERNELS = ("auto", "default", "flash", "efficient", "cudnn", "math")  # utils/attention.py
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ADAM_BETAS = (0.9, 0.95)  # beta2 0.95, as the tutorial: steadier with large batches
@@ -123,6 +124,13 @@ class Config:
                                             "--no-reshard_after_forward keeps them: ZeRO-2)",
                                       "data parallel")
     bucket_cap_mb: float = key(25.0, "DDP gradient bucket size in MB", "data parallel")
+    grad_compression: str = key("none", "DDP: send the gradients compressed (a communication hook, "
+                                "distributed/compression.py): none, bf16 or fp16 (half the bytes), "
+                                "powersgd (a low-rank approximation)", "data parallel",
+                                choices=GRAD_COMPRESSIONS)
+    powersgd_rank: int = key(4, "powersgd: rank of each gradient matrix's approximation", "data parallel")
+    powersgd_error_feedback: bool = key(True, "powersgd: add each step's compression error to the "
+                                              "next step's gradient", "data parallel")
     rendezvous_timeout_s: float = key(60.0, "seconds to wait for every rank to start and meet "
                                             "(srun or plain environment; torchrun meets on its own)",
                                       "data parallel")

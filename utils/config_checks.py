@@ -120,6 +120,7 @@ def _check_data_parallel(cfg: Config) -> None:
                                         or cfg.pipeline_parallel > 1):
         raise ValueError("data_parallel hsdp combines with no other parallel dimension here; use "
                          "--data_parallel fsdp with tensor or pipeline parallelism")
+    _check_compression(cfg)
     if cfg.data_parallel == "ddp":
         return
     if cfg.noddp:
@@ -134,6 +135,25 @@ def _check_data_parallel(cfg: Config) -> None:
     if cfg.context_parallel > 1:  # cp needs a gradient sum over cp, which FSDP's reduction lacks
         raise ValueError("data_parallel fsdp does not combine with context_parallel > 1 here; use "
                          "--data_parallel ddp or zero1 with context parallelism")
+
+
+def _check_compression(cfg: Config) -> None:
+    """Compression is a DDP communication hook: layouts whose gradients DDP does not reduce alone
+    (FSDP's reduce-scatter, tensor/context parallel sums, pipelines) are refused."""
+    if cfg.powersgd_rank < 1:
+        raise ValueError(f"config key 'powersgd_rank' must be at least 1, got {cfg.powersgd_rank}")
+    if cfg.grad_compression == "none":
+        return
+    other = [f"--{name} {getattr(cfg, name)}" for name in ("tensor_parallel", "context_parallel",
+                                                            "pipeline_parallel") if getattr(cfg, name) > 1]
+    if cfg.data_parallel not in ("ddp", "zero1"):
+        other.insert(0, f"--data_parallel {cfg.data_parallel}")
+    if cfg.noddp:
+        other.insert(0, "--noddp")
+    if other:
+        raise ValueError(f"--grad_compression {cfg.grad_compression} compresses DDP's gradient "
+                         f"all-reduce; it does not combine with {', '.join(other)}: use it with "
+                         f"--data_parallel ddp or zero1 alone")
 
 
 INTERLEAVED = ("interleaved_1f1b", "zero_bubble")  # schedules with several stages on each rank

@@ -1,0 +1,158 @@
+"""Which rank did not arrive: a heartbeat per rank, read when a collective gives up.
+
+A collective waits until every rank of its group has joined it. When one rank never does (it
+crashed without the launcher noticing, was stopped, hangs in I/O, or skipped the collective),
+the others wait until the process group's timeout (``--collective_timeout_s``) and then fail
+with the backend's message: gloo's "Timed out waiting 20000ms for recv operation" or NCCL's
+watchdog timeout, neither of which says who is missing.
+
+So every rank runs a small thread that writes, every ``PERIOD_S`` seconds, where it is (step,
+phase of the step, time, host, pid) into the rendezvous key-value store (the TCPStore that
+torchrun's agent, or rank 0, serves; a connection of its own). A rank that is stopped or frozen
+stops writing; a rank that is alive but somewhere else (another step, validation) says where.
+When a collective fails, the rank that noticed reads every rank's last entry and logs one line:
+
+    rank 0 gave up at step 13 in backward (DDP's gradient all-reduce): rank 1 stopped
+    responding (no sign of life for 24 s; last seen at step 13 in forward, host nid001 pid 4242)
+
+The thread costs one small store write every few seconds; ``mark`` (called by the trainer
+as it moves through a step) only stores two values.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+PERIOD_S = 2.0  # seconds between a rank's entries
+STALE_S = 3 * PERIOD_S + 1  # no entry for this long: the rank is stopped or frozen
+
+
+class Heartbeat:
+    """This rank's entry in the store, written every ``period_s`` by a daemon thread."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, prefix: str,
+                 period_s: float = PERIOD_S) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.prefix, self.period_s = prefix, period_s
+        self.step, self.phase = 0, "start-up"
+        self.collectives: dict[str, str] = {}  # phase -> the collectives it runs in this layout
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._write()
+        self._thread.start()
+        return self
+
+    def mark(self, step: int, phase: str) -> None:
+        self.step, self.phase = step, phase
+
+    def where(self, step: int, phase: str) -> str:
+        what = self.collectives.get(phase)
+        return f"step {step} in {phase}" + (f" ({what})" if what else "")
+
+    def _write(self) -> None:
+        entry = {"time": time.time(), "step": self.step, "phase": self.phase,
+                 "host": socket.gethostname(), "pid": os.getpid()}
+        self.store.set(f"{self.prefix}{self.rank}", json.dumps(entry))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self._write()
+            except Exception:  # the store went away (the job is ending): stop quietly
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def others(self, read_timeout_s: float = 5.0) -> dict[int, dict[str, Any] | None]:
+        """Every other rank's last entry (None: it never wrote one, or the store did not answer)."""
+        self.store.set_timeout(datetime.timedelta(seconds=read_timeout_s))
+        entries: dict[int, dict[str, Any] | None] = {}
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            try:
+                entries[r] = json.loads(self.store.get(f"{self.prefix}{r}"))
+            except Exception:
+                entries[r] = None
+        return entries
+
+    def diagnosis(self, now: float | None = None) -> str:
+        """One line: where this rank gave up, and which ranks did not arrive and where they are
+        (never raises: the diagnosis must not hide the error it explains)."""
+        try:
+            return self._diagnosis(now)
+        except Exception as err:
+            return f"rank {self.rank}: no diagnosis ({type(err).__name__}: {err})"
+
+    def _diagnosis(self, now: float | None) -> str:
+        me = f"rank {self.rank} gave up at {self.where(self.step, self.phase)}"
+        time.sleep(self.period_s + 0.5)  # every live rank writes where it is now
+        now = time.time() if now is None else now
+        entries = self.others()
+        missing = []
+        for r, e in sorted(entries.items()):
+            if e is None:
+                missing.append(f"rank {r} never reported (it did not start, or the store on rank 0 "
+                               f"is not answering)")
+                continue
+            age = now - e["time"]
+            seen = f"{self.where(e['step'], e['phase'])}, host {e['host']} pid {e['pid']}"
+            if age > STALE_S:
+                missing.append(f"rank {r} stopped responding (no sign of life for {age:.0f} s; last "
+                               f"seen at {seen})")
+            elif (e["step"], e["phase"]) != (self.step, self.phase):
+                missing.append(f"rank {r} did not arrive: it is alive at {seen}")
+        if not missing:
+            return (f"{me}; every other rank is alive at the same step and phase (a collective they "
+                    f"called differently, or a slow network: see docs/04-communication.md)")
+        return f"{me}: " + "; ".join(missing)
+
+
+def collectives_by_phase(ddp: bool, fsdp: bool, zero1: bool, model_parallel: bool, pipeline: bool,
+                         clipping: bool) -> dict[str, str]:
+    """What each phase of a training step waits for in this layout (named in the diagnosis)."""
+    def joined(*parts: str | None) -> str:
+        return ", ".join(p for p in parts if p)
+
+    split = "tensor/context-parallel collectives" if model_parallel else None
+    return {
+        "forward": joined("pipeline sends and receives" if pipeline else None,
+                          "FSDP's all-gather of the weights" if fsdp else None, split),
+        "backward": joined("FSDP's all-gather and gradient reduce-scatter" if fsdp else None,
+                           "DDP's gradient all-reduce" if ddp else None, split),
+        "optimizer step": joined("the gradient norm's all-reduce" if clipping else None,
+                                 "ZeRO-1's parameter broadcast" if zero1 else None),
+        "stop check": "the stop-signal all-reduce",
+        "epoch end": "the training loss all-reduce",
+        "validation": "the validation metrics' all-reduce",
+        "checkpoint": "the checkpoint's gathers",
+    }
+
+
+def start(master_addr: str, master_port: int, rank: int, world_size: int) -> Heartbeat | None:
+    """Start this rank's heartbeat on its own connection to the rendezvous store (a failure to
+    connect only costs the diagnosis: logged, never fatal)."""
+    try:
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    except Exception as err:
+        log.warning("no heartbeat (the store at %s:%d: %s); a hang will not be diagnosed",
+                    master_addr, master_port, str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return None
+    # a restart under torchrun (--max_restarts) must not read the previous attempt's entries
+    prefix = f"era5_heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    return Heartbeat(store, rank, world_size, prefix).start()

@@ -1,0 +1,250 @@
+#!/usr/bin/env python
+"""Gradient communication against the backward pass, measured: the hand-written all-reduce after
+backward, DDP with its buckets, and (where torch allows) FSDP with and without prefetching.
+
+    torchrun --standalone --nproc_per_node 2 scripts/comm_overlap.py --config tiny --out logs/comm
+
+Every rank trains the config's model on random batches of its local size (the step's shapes
+and arithmetic are those of train.py; the data does not matter for time). For each variant it
+times ``--steps`` steps of forward, backward and gradient synchronisation (no optimizer
+step: the same weights every step) after ``--warmup`` steps, and records one step's timeline
+from real timestamps: when backward starts and ends, and when each gradient bucket's
+all-reduce is handed to the backend (DDP calls a communication hook as soon as backward has
+filled the bucket) and when it completes. Rank 0 writes OUT/overlap.md (the table),
+OUT/overlap.json and OUT/overlap.png (the timelines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+class Timeline:
+    """Timestamps (seconds since the step started) of one step."""
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.spans: dict[str, list[float]] = {}  # "forward", "backward", "sync" -> [start, end]
+        self.buckets: dict[int, list[float]] = {}  # bucket index -> [handed over, completed]
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+        self.spans, self.buckets = {}, {}
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def span(self, name: str, start: float) -> None:
+        self.spans[name] = [start, self.now()]
+
+
+def recording_hook(timeline: Timeline, group):
+    """DDP's default all-reduce (torch's ``allreduce_hook``: divide by the world size, then sum),
+    with the time each bucket is handed over and completed."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    # no annotations: DDP checks a hook's annotations (see distributed/compression.py)
+    def hook(state, bucket):
+        index = bucket.index()
+        timeline.buckets[index] = [timeline.now(), float("nan")]
+        future = default_hooks.allreduce_hook(group, bucket)
+
+        def done(fut):
+            timeline.buckets[index][1] = timeline.now()
+            return fut.value()
+
+        return future.then(done)
+
+    return hook
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    out = [("all-reduce after backward, per parameter (by hand)", {"kind": "after"}),
+           ("all-reduce after backward, one flat buffer", {"kind": "after_flat"})]
+    out += [(f"DDP, buckets of {mb:g} MB", {"kind": "ddp", "bucket_mb": mb}) for mb in args.bucket_mb]
+    if args.fsdp:
+        out += [("FSDP, default prefetching", {"kind": "fsdp", "prefetch": True}),
+                ("FSDP, no prefetching", {"kind": "fsdp", "prefetch": False})]
+    return out
+
+
+def average_flat(model, group) -> None:
+    """All gradients in one buffer, one all-reduce: as few calls as possible, still after backward."""
+    import torch
+    import torch.distributed as dist
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
+def build(cfg, setting: dict[str, Any], timeline: Timeline, group, device):
+    """The model for one variant, and the synchronisation to run after its backward (or None)."""
+    import torch
+
+    from exercises.allreduce_grads_solution import average_gradients
+    from networks.vit import build_vit
+
+    torch.manual_seed(cfg.seed)
+    model = build_vit(cfg).to(device)
+    if setting["kind"] == "after":  # the data-parallel exercise's solution
+        return model, lambda: average_gradients(model, group)
+    if setting["kind"] == "after_flat":
+        return model, lambda: average_flat(model, group)
+    if setting["kind"] == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=setting["bucket_mb"],
+                                      gradient_as_bucket_view=True)
+        ddp.register_comm_hook(None, recording_hook(timeline, group))
+        return ddp, None
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = list(model.blocks.values())
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    if not setting["prefetch"]:  # explicit empty prefetch lists replace FSDP2's implicit prefetching
+        for block in blocks:
+            block.set_modules_to_forward_prefetch([])
+            block.set_modules_to_backward_prefetch([])
+    return model, None
+
+
+def time_variant(cfg, setting: dict[str, Any], args: argparse.Namespace, group, device) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from utils.metrics import relative_l2_loss
+
+    timeline = Timeline()
+    model, sync = build(cfg, setting, timeline, group, device)
+    batch = max(1, cfg.global_batch_size // dist.get_world_size())
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    inp = torch.randn(batch, cfg.n_in_channels, *cfg.img_size, generator=gen).to(device)
+    tar = torch.randn(batch, cfg.n_out_channels, *cfg.img_size, generator=gen).to(device)
+    times, lines = [], []
+    for step in range(args.warmup + args.steps):
+        dist.barrier(group)  # every rank starts the step together
+        timeline.start()
+        loss = relative_l2_loss(model(inp), tar)
+        timeline.span("forward", 0.0)
+        start = timeline.now()
+        loss.backward()
+        timeline.span("backward", start)  # with DDP: includes waiting for the last buckets
+        if sync is not None:
+            start = timeline.now()
+            sync()
+            timeline.span("all-reduce", start)
+        elapsed = timeline.now()
+        for p in model.parameters():
+            p.grad = None
+        if step >= args.warmup:
+            times.append(elapsed)
+            lines.append({"spans": dict(timeline.spans), "buckets": dict(timeline.buckets), "total": elapsed})
+    median = statistics.median(times)
+    typical = min(lines, key=lambda t: abs(t["total"] - median))  # the step closest to the median
+    return {"step_ms": 1e3 * median, "timeline": typical}
+
+
+def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, cfg, world: int) -> None:
+    from networks.vit import build_vit, count_parameters
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    params = count_parameters(build_vit(cfg))
+    base = rows[0]["step_ms"]
+    lines = [f"Config `{args.config}` ({params / 1e6:.2f}M parameters, {4 * params / 1e6:.1f} MB of fp32 "
+             f"gradients), {world} ranks, local batch {max(1, cfg.global_batch_size // world)}; median of "
+             f"{args.steps} steps (forward, backward, gradient synchronisation) on rank 0.", "",
+             "| variant | step ms | vs by hand | all-reduces per step |", "|---|---|---|---|"]
+    for r in rows:
+        n = {"after": "one per parameter", "after_flat": 1, "fsdp": "-"}.get(
+            r["kind"], len(r["timeline"]["buckets"]))
+        lines.append(f"| {r['name']} | {r['step_ms']:.1f} | {base / r['step_ms']:.2f}x | {n} |")
+    (args.out / "overlap.md").write_text("\n".join(lines) + "\n")
+    (args.out / "overlap.json").write_text(json.dumps(rows, indent=1))
+    plot([r for r in rows if r["kind"] != "fsdp"], args.out / "overlap.png")
+    print("\n".join(lines))
+    print(f"wrote {args.out / 'overlap.md'} and {args.out / 'overlap.png'}")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(rows), 1, figsize=(9, 1.3 + 0.9 * len(rows)), sharex=True, squeeze=False)
+    colors = {"forward": "#bbbbbb", "backward": "#4c72b0", "all-reduce": "#dd8452"}
+    for ax, r in zip(axes[:, 0], rows):
+        t = r["timeline"]
+        for name, (a, b) in t["spans"].items():
+            ax.barh(1, 1e3 * (b - a), left=1e3 * a, color=colors[name], label=name)
+        for i, (_, (a, b)) in enumerate(sorted(t["buckets"].items())):
+            ax.barh(0, 1e3 * (b - a), left=1e3 * a, height=0.5, color=colors["all-reduce"],
+                    edgecolor="black", linewidth=0.5, label="bucket all-reduce" if i == 0 else None)
+        ax.set_yticks([0, 1], ["all-reduce", "compute"])
+        ax.set_title(f"{r['name']}: {r['step_ms']:.1f} ms", fontsize=9, loc="left")
+    axes[0, 0].legend(fontsize=7, loc="lower right", ncol=4)
+    axes[-1, 0].set_xlabel("ms since the step started (rank 0, the step nearest the median)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--yaml_config", default=None,
+                   help="YAML file of configurations (default config/ViT.yaml)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--bucket_mb", type=float, nargs="+", default=[25.0, 1.0, 0.25],
+                   help="DDP bucket sizes to time, MB (25: DDP's default)")
+    p.add_argument("--no_fsdp", dest="fsdp", action="store_false", help="leave out the FSDP variants")
+    p.add_argument("--out", type=Path, default=Path("logs/comm"))
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or min(args.bucket_mb) <= 0:
+        p.error("--steps must be at least 1, --warmup 0 or more and every --bucket_mb positive")
+
+    import torch.distributed as dist
+
+    from distributed.env import init_distributed, parse_env
+    from utils import device as dev
+    from utils.config import DEFAULT_YAML, load_config
+
+    env = parse_env()
+    if env.world_size < 2:
+        p.error("start it on 2 or more ranks: torchrun --standalone --nproc_per_node 2 "
+                "scripts/comm_overlap.py")
+    try:
+        cfg = load_config(args.yaml_config or DEFAULT_YAML, args.config)
+    except ValueError as err:
+        p.error(str(err))
+    dev.set_cpu_threads(env.local_world_size)
+    device = dev.pick_device(env.local_rank, env.local_world_size)
+    init_distributed(env, device, cfg.collective_timeout_s, cfg.rendezvous_timeout_s)
+    rows = []
+    for name, setting in variants(args):
+        rows.append({"name": name, **setting, **time_variant(cfg, setting, args, None, device)})
+        if env.rank == 0:
+            print(f"{name}: {rows[-1]['step_ms']:.1f} ms per step", flush=True)
+    if env.rank == 0:
+        write_report(rows, args, cfg, env.world_size)
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
