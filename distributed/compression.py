@@ -16,7 +16,11 @@ DDP all-reduces the fp32 bucket. ``--grad_compression`` installs one of torch's 
   feedback* (``--powersgd_error_feedback``, on by default) each rank keeps what the
   approximation left out and adds it to the next step's gradient, so no part of the gradient is
   lost for good, only delayed. 1-bit Adam and other error-compensated methods rest on the
-  same idea. The first step is sent uncompressed (torch's hook needs one step to set up).
+  same idea. The first two steps are sent uncompressed (torch's hook starts compressing at its
+  ``start_powerSGD_iter``, here 2, the earliest it allows with error feedback).
+
+(DDP's ``register_comm_hook`` refuses torch's bf16 hook, by its name, unless CUDA and NCCL 2.10+
+are there; gloo all-reduces bf16 as well, tested here, and DDP only sees the counting wrapper.)
 
 Every hook here is wrapped to count the bytes each rank hands to all-reduce (the payload; a
 ring all-reduce sends about twice that over the wire): the trainer logs them per step as
@@ -81,8 +85,8 @@ def compress_gradients(ddp: DistributedDataParallel, cfg: Config,
     elif cfg.grad_compression == "fp16":
         state = CountingState(default_hooks.fp16_compress_hook, group)
     elif cfg.grad_compression == "powersgd":
-        # start_powerSGD_iter=2: the earliest torch allows with error feedback (DDP rebuilds
-        # its buckets after the first step); min_compression_rate as torch's default (2)
+        # start_powerSGD_iter=2: the earliest torch allows with error feedback or warm start (DDP
+        # rebuilds its buckets after the first step); min_compression_rate: torch's default (2)
         inner = powerSGD_hook.PowerSGDState(
             process_group=group, matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=2,
             use_error_feedback=cfg.powersgd_error_feedback, warm_start=True,

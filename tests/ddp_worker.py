@@ -11,6 +11,8 @@ Environment variables (all optional):
   DDP_TEST_READONLY=DIR   every rank but 0 fails if it opens a file under DIR for writing
   DDP_TEST_EXIT_AT=R:S    rank R exits at once (status 1, nothing cleaned up) in its step S, in the
                           first attempt only (torchrun's TORCHELASTIC_RESTART_COUNT 0)
+  DDP_TEST_FREEZE_AT=R:S  rank R stops itself (SIGSTOP) in the backward of its step S, while DDP's
+                          gradient all-reduce runs: frozen, as a rank on a failing node is
   DDP_TEST_DIE_BEFORE_LATEST=S  the process dies when its sharded checkpoint of step S is on
                           disk but not yet named by LATEST (a save killed midway)
 """
@@ -61,11 +63,15 @@ class FaultyTrainer(Trainer):
     raise_at = _at("DDP_TEST_RAISE_AT")
     nan_at = _at("DDP_TEST_NAN_AT")
     signal_at = _at("DDP_TEST_SIGNAL_AT")
+    freeze_at = _at("DDP_TEST_FREEZE_AT")
     exit_at = _at("DDP_TEST_EXIT_AT") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else None
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         if self.step == self.exit_at:
             os._exit(1)
+        if self.step == self.freeze_at:  # the first parameter's gradient is among the last in backward
+            first = next(self.model.parameters())
+            first.register_post_accumulate_grad_hook(lambda p: os.kill(os.getpid(), signal.SIGSTOP))
         if self.step == self.raise_at:
             raise RuntimeError(f"injected failure on rank {RANK} at step {self.step}")
         if self.step == self.signal_at:

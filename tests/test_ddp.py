@@ -6,6 +6,10 @@ torchrun stop the others and exit non-zero, and a hang fails the test at the tim
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +17,8 @@ import pytest
 import torch
 
 from distributed.env import first_host, parse_env
-from tests.ddp_helpers import metrics, run, run_dir, train_args, write_test_yaml
+from tests.conftest import REPO, subprocess_env
+from tests.ddp_helpers import WORKER, metrics, run, run_dir, train_args, write_test_yaml
 from utils.checkpoint import CHECKPOINT_NAME
 from utils.config import DEFAULT_YAML, load_config
 from utils.data_loader import ERA5Dataset, ShardedSampler, get_data_loader
@@ -36,12 +41,15 @@ def args_for(data_dir, test_yaml):
 
 @pytest.fixture(scope="module")
 def runs(data_dir, tmp_path_factory, test_yaml) -> dict[int, Path]:
-    """The same 6 steps of global batch 8 on 1 rank and on 2 ranks (local batch 4).
-    Ranks other than 0 fail if they open any file under the log folder for writing."""
+    """The same 6 steps of global batch 8 on 1 rank and on 2 ranks (local batch 4). DDP's buckets
+    are small (10 kB: about 20 all-reduces per step, each started as soon as backward has filled
+    it); the default size is in every other DDP test. Ranks other than 0 fail if they open any
+    file under the log folder for writing."""
     expdir = tmp_path_factory.mktemp("ddp_runs")
     out = {}
     for ranks in (1, 2):
-        result = run(ranks, train_args(test_yaml, data_dir, expdir), DDP_TEST_READONLY=str(expdir))
+        result = run(ranks, train_args(test_yaml, data_dir, expdir, bucket_cap_mb=0.01),
+                     DDP_TEST_READONLY=str(expdir))
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         out[ranks] = run_dir(expdir, ranks)
     return out
@@ -66,6 +74,30 @@ def test_two_ranks_match_one_rank_with_the_global_batch(runs):
     assert v2["val_loss"] == pytest.approx(v1["val_loss"], rel=1e-5)
     assert v2["rmse"]["t2m"] == pytest.approx(v1["rmse"]["t2m"], rel=1e-5)
     assert v2["train_loss"] == pytest.approx(v1["train_loss"], rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_compressed_gradients_train_and_send_fewer_bytes(runs, args_for, tmp_path):
+    """The uncompressed run sends every fp32 gradient once per step; bf16 sends exactly half,
+    powersgd less still (its first two steps are sent whole). Compression changes the gradients, so
+    the runs are not the serial model's; they must still train: after the 6 steps their
+    validation loss is within 1% (bf16) and 5% (powersgd) of the uncompressed run's."""
+    plain = metrics(runs[2])[-1]
+    state = torch.load(runs[2] / CHECKPOINT_NAME, weights_only=False)["model"]
+    n_params = sum(t.numel() for t in state.values())
+    assert plain["grad_comm_bytes_per_step"] == 4 * n_params
+    assert "grad_comm_bytes_per_step" not in metrics(runs[1])[-1]  # one process: no all-reduce
+    sent = {}
+    for name in ("bf16", "powersgd"):
+        result = run(2, args_for(tmp_path, grad_compression=name, run_num=name))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        m = metrics(run_dir(tmp_path, 2, name))[-1]
+        sent[name] = m["grad_comm_bytes_per_step"]
+        margin = 0.01 if name == "bf16" else 0.05
+        assert m["val_loss"] == pytest.approx(plain["val_loss"], rel=margin), name
+        assert m["train_loss"] != plain["train_loss"]  # the hook ran: the gradients changed a little
+    assert sent["bf16"] == plain["grad_comm_bytes_per_step"] / 2
+    assert sent["powersgd"] < sent["bf16"]
 
 
 @pytest.mark.timeout(300)
@@ -152,6 +184,34 @@ def test_a_failing_rank_stops_the_job_promptly(args_for, tmp_path):
     assert "injected failure on rank 1 at step 2" in result.stdout + result.stderr
     # 5000 steps would take minutes: the job ended when rank 1 failed (launch ~10 s here)
     assert elapsed < 60, elapsed
+
+
+@pytest.mark.timeout(150)
+def test_a_frozen_rank_is_named_and_the_job_ends(args_for, tmp_path):
+    """Rank 1 freezes (SIGSTOP) in its step 3's backward, while DDP all-reduces. Rank 0's all-reduce
+    gives up after --collective_timeout_s, and rank 0 names rank 1 in one line (its heartbeat
+    stopped: distributed/health.py); torchrun then stops the job (it gives the frozen rank 30 s
+    to exit before killing it). The job ends within the timeout plus 45 s of the freeze."""
+    timeout_s = 6
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
+           *args_for(tmp_path, num_iters=5000, collective_timeout_s=timeout_s)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(DDP_TEST_FREEZE_AT="1:3"), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    start = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:  # a frozen rank left behind would never end: stop the whole session
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    line = next((ln for ln in out.splitlines() if "gave up at step" in ln), None)
+    assert line is not None, out[-3000:]
+    assert ("rank 0 gave up at step 3 in backward (DDP's gradient all-reduce): rank 1 stopped "
+            "responding") in line
+    assert "last seen at step" in line and "pid" in line
+    # launch (~5-10 s here) + 3 steps + the timeout + the diagnosis (2.5 s) + torchrun's 30 s
+    assert elapsed < 15 + timeout_s + 45, elapsed
 
 
 @pytest.mark.timeout(150)
