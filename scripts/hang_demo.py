@@ -61,8 +61,8 @@ def rank_main(rank: int, case: str, port: int, timeout: float, diagnose: bool) -
         from distributed import health
 
         beat = health.start("127.0.0.1", port, rank, 2)
-        # still running 3 s after the collective timeout: print every thread's Python stack
-        faulthandler.dump_traceback_later(timeout + 3, exit=False)
+        # still running just after the collective timeout: print every thread's Python stack
+        faulthandler.dump_traceback_later(timeout + 0.5, exit=False)
     try:
         if case == "skip":
             for step in range(STEPS):
@@ -76,7 +76,8 @@ def rank_main(rank: int, case: str, port: int, timeout: float, diagnose: bool) -
             if beat:
                 beat.mark(STEPS - 1, "writing a checkpoint")
             if rank == 1:  # rank 1 believes it is done and works on (the demo's 'checkpoint')
-                time.sleep(timeout + (4 if diagnose else 1.5))  # past the stack dump (diagnose)
+                # until rank 0 has given up (and, diagnosed, written its diagnosis: 2.5 s)
+                time.sleep(timeout + (3 if diagnose else 1.5))
         else:
             if beat:
                 beat.mark(0, "all_reduce of the gradients")

@@ -220,7 +220,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(serial, data_dir, t
 
 def test_torchrun_restarts_a_dead_rank_and_resumes(serial, data_dir, test_yaml, tmp_path):
     """Rank 1 exits in step 3 of the first attempt; torchrun restarts both ranks, which resume
-    from the step-2 checkpoint. TORCH_DISABLE_SHARE_RDZV_TCP_STORE: see docs/05-sharding.md."""
+    from the step-2 checkpoint. TORCH_DISABLE_SHARE_RDZV_TCP_STORE: see docs/06-sharding.md."""
     flags = args(test_yaml, data_dir, tmp_path, data_parallel="fsdp", checkpoint_every=2)
     result = run(2, flags, timeout=240, max_restarts=1, DDP_TEST_EXIT_AT="1:3",
                  TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
