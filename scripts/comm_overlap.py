@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Gradient communication against the backward pass, measured: the hand-written all-reduce after
-backward, DDP with its buckets, and (where torch allows) FSDP with and without prefetching.
+backward, DDP with its buckets, and FSDP with its default and a deeper prefetching.
 
     torchrun --standalone --nproc_per_node 2 scripts/comm_overlap.py --config tiny --out logs/comm
 
@@ -72,8 +72,8 @@ def variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
            ("all-reduce after backward, one flat buffer", {"kind": "after_flat"})]
     out += [(f"DDP, buckets of {mb:g} MB", {"kind": "ddp", "bucket_mb": mb}) for mb in args.bucket_mb]
     if args.fsdp:
-        out += [("FSDP, default prefetching", {"kind": "fsdp", "prefetch": True}),
-                ("FSDP, no prefetching", {"kind": "fsdp", "prefetch": False})]
+        out += [("FSDP, default prefetching (next block)", {"kind": "fsdp", "ahead": 1}),
+                ("FSDP, explicit prefetching of two blocks", {"kind": "fsdp", "ahead": 2})]
     return out
 
 
@@ -116,10 +116,15 @@ def build(cfg, setting: dict[str, Any], timeline: Timeline, group, device):
     for block in blocks:
         fully_shard(block)
     fully_shard(model)
-    if not setting["prefetch"]:  # explicit empty prefetch lists replace FSDP2's implicit prefetching
-        for block in blocks:
-            block.set_modules_to_forward_prefetch([])
-            block.set_modules_to_backward_prefetch([])
+    # FSDP2 by default overlaps each block's all-gather with the compute before it (one block
+    # ahead; in backward it issues the next block's gather itself). It has no public switch to turn
+    # that off (an empty list means "the default"); explicit lists prefetch further ahead, at the
+    # cost of holding more gathered blocks at once.
+    ahead = setting["ahead"]
+    if ahead > 1:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + ahead])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - ahead):i][::-1])
     return model, None
 
 

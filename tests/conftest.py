@@ -19,13 +19,28 @@ TEST_IMG = (16, 32)
 TEST_SAMPLES_PER_YEAR = 40
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist has added its group names to the node ids
 def pytest_collection_modifyitems(config, items):
+    check_xdist_groups(config, items)
     if cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def check_xdist_groups(config, items) -> None:
+    """Under `make test` (-n 2 --dist loadgroup) every test marked xdist_group must carry its group
+    in its node id, or the scheduler splits the group over the workers: the course's pages would
+    run out of order in two folders, and module fixtures that start ranks would run twice."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(f"pytest-xdist could not group {lost[0]} (and {len(lost) - 1} more): this "
+                                f"pytest and pytest-xdist do not work together; install the versions "
+                                f"requirements.txt pins (make venv)")
 
 
 @pytest.fixture(scope="session")

@@ -119,3 +119,20 @@ def test_the_private_name_check_finds_them():
               "it._shutdown_workers()\nself._ok = os._exit\n")
     assert [hit.split(": ", 1)[1] for hit in private_names(source)] == [
         "from torch._C import x", "torch._C._storage_Use_Count", "torch._C", "it._shutdown_workers"]
+
+
+def test_a_lost_xdist_group_stops_the_suite():
+    """pytest-xdist groups tests by a suffix it adds to their node ids; where a pytest keeps node ids
+    it cannot change (9.2), the suite must stop with a line that says so, not split the groups."""
+    from types import SimpleNamespace
+
+    from tests.conftest import check_xdist_groups
+
+    marked = SimpleNamespace(nodeid="tests/test_readme.py::test_page_in_order[README.md]",
+                             get_closest_marker=lambda name: name == "xdist_group")
+    config = SimpleNamespace(option=SimpleNamespace(loadgroup=True))
+    with pytest.raises(pytest.UsageError, match="could not group tests/test_readme.py"):
+        check_xdist_groups(config, [marked])
+    grouped = SimpleNamespace(nodeid=marked.nodeid + "@course", get_closest_marker=marked.get_closest_marker)
+    check_xdist_groups(config, [grouped])
+    check_xdist_groups(SimpleNamespace(option=SimpleNamespace(loadgroup=False)), [marked])
