@@ -36,7 +36,8 @@ def check_xdist_groups(config, items) -> None:
     run out of order in two folders, and module fixtures that start ranks would run twice."""
     if not getattr(config.option, "loadgroup", False):
         return
-    lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    lost = [item.nodeid for item in items
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
     if lost:
         raise pytest.UsageError(f"pytest-xdist could not group {lost[0]} (and {len(lost) - 1} more): this "
                                 f"pytest and pytest-xdist do not work together; install the versions "
