@@ -455,6 +455,7 @@ def run_rung(ctx: Context, name: str) -> dict[str, Any]:
                      str(ctx.yaml), "--config", CONFIG, "--rungs", name, "--no_bare",
                      "--steps", str(a.ladder_steps), "--warmup", "3", "--profile_steps", "2",
                      "--loader_batches", "4", "--workers", str(a.workers), "--amp", "bf16",
+                     "--matmul_size", str(a.matmul_size),
                      "--out_dir", str(bench_dir)], log_path, a.timeout)
     if rc != 0:
         return failed(f"benchmark.py {exit_text(rc, a.timeout)}: {tail_reason(log_path)}")
@@ -603,6 +604,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated ladder rungs (default: all of scripts/benchmark.py's)")
     p.add_argument("--batch", type=int, default=16, help="global batch size (short's is 16)")
     p.add_argument("--workers", type=int, default=4, help="data loader workers")
+    p.add_argument("--matmul_size", type=int, default=2048,
+                   help="size of the square matmuls that measure each rung's peak FLOP/s (benchmark.py)")
     p.add_argument("--samples_per_year", type=int, default=48,
                    help="synthetic samples per split (about 21 MB each at 360 x 720)")
     p.add_argument("--timeout", type=float, default=600, help="seconds each subprocess may run")
@@ -615,7 +618,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = args.skip - set(CHECKS)
     if unknown:
         p.error(f"unknown check(s) for --skip: {', '.join(sorted(unknown))}; choose from {', '.join(CHECKS)}")
-    if min(args.steps, args.ladder_steps, args.batch) < 1 or args.workers < 0 or args.loss_rtol <= 0:
+    if min(args.steps, args.ladder_steps, args.batch) < 1 or args.workers < 0 or args.loss_rtol <= 0 \
+            or args.matmul_size < 2:
         p.error("--steps, --ladder_steps and --batch must be at least 1, --workers at least 0, "
                 "--loss_rtol above 0")
     if args.samples_per_year < args.batch + 2:

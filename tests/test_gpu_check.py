@@ -249,7 +249,7 @@ SUBPROCESS_LIMIT_S = 120
 def small_ctx(cfg_factory, tmp_path: Path, rungs: str, steps: int = 8) -> gc.Context:
     """A context over the test data set: the tiny model, 4 steps per epoch."""
     args = gc.parse_args(["--out", str(tmp_path / "out"), "--steps", str(steps), "--ladder_steps", "2",
-                          "--rungs", rungs, "--batch", "4", "--workers", "1",
+                          "--rungs", rungs, "--batch", "4", "--workers", "1", "--matmul_size", "256",
                           "--timeout", str(SUBPROCESS_LIMIT_S)])
     gc.resolve_rungs(args)
     ctx = gc.Context(args=args, out=tmp_path / "out", work=tmp_path, dali_error=gc.dali_status()[1])

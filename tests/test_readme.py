@@ -230,7 +230,7 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
     "comm_overlap.py": lambda runner: [  # one step of each variant, one DDP bucket size
         "--steps", "1", "--warmup", "0", "--bucket_mb", "1"],
     "compare_runs.py": lambda runner: [],  # the runs of the commands before it
-    "hang_demo.py": lambda runner: ["--timeout", "1.5"],  # both cases; it fails if no rank is named
+    "hang_demo.py": lambda runner: ["--timeout", "1"],  # both cases; it fails if no rank is named
     "benchmark.py": lambda runner: [  # one rung, one step of batch 2 (the full ladder: test_ladder.py)
         "--data_dir", str(runner.data_for("small")), "--rungs", "baseline", "--steps", "1", "--batch", "2",
         "--warmup", "0", "--profile_steps", "1", "--loader_batches", "1", "--matmul_size", "64",
