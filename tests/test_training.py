@@ -47,12 +47,13 @@ def read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def scalar_tags(run_dir):
+def scalar_tags(run_dir, kind="scalars"):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run_dir))
     acc.Reload()
-    return {tag: len(acc.Scalars(tag)) for tag in acc.Tags()["scalars"]}
+    read = acc.Scalars if kind == "scalars" else acc.Images
+    return {tag: len(read(tag)) for tag in acc.Tags()[kind]}
 
 
 @pytest.mark.slow
@@ -83,7 +84,29 @@ def test_train_py_beats_persistence(cfg_factory, tmp_path):
     for tag in ("Loss/train", "Loss/valid", "RMSE(u10m)/valid", "RMSE(t2m)/valid", "RMSE(u10m)/persistence",
                 "RMSE(t2m)/persistence", "Learning Rate", "Avg iters per sec", "Avg samples per sec"):
         assert tags.get(tag) == epochs, tag
+    assert set(scalar_tags(run_dir, "images")) == {"Predictions/t2m"}  # (TensorBoard keeps a sample of 4)
+    imported = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line}
+    assert "matplotlib" not in imported  # its import and figures cost about 0.8 s of every run
     assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"] == 150
+
+
+def test_the_prediction_image_shows_target_prediction_and_error():
+    from training.reporting import ERROR_STOPS, FIELD_STOPS, prediction_image
+    from utils.era5 import CHANNELS
+
+    c = CHANNELS.index("t2m")
+    target = torch.zeros(len(CHANNELS), 4, 6)
+    target[c] = torch.arange(24.0).view(4, 6)
+    pred = target.clone()
+    pred[c, 0, 0] += 5.0  # one wrong value
+    img = prediction_image(pred, target, "t2m")
+    assert img.shape == (3, 4, 3 * 6 + 2) and img.min() >= 0 and img.max() <= 1
+    field, error = img[:, :, :6], img[:, :, 14:]
+    assert (img[:, :, 6] == 1).all() and (img[:, :, 13] == 1).all()  # white gaps
+    assert torch.allclose(torch.tensor(field[:, 3, 5]), torch.tensor(FIELD_STOPS[-1]))  # the largest value
+    assert torch.allclose(torch.tensor(error[:, 0, 0]), torch.tensor(ERROR_STOPS[-1]))  # the error, red
+    assert torch.allclose(torch.tensor(error[:, 1, 1]), torch.tensor(ERROR_STOPS[1]))  # no error, white
 
 
 def make_trainer(cfg, run_dir):
