@@ -10,6 +10,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# Tests that train in the pytest process run torch on one thread (read when torch starts, so set
+# before anything imports it). Under `make test` the other worker's ranks use the other core, and
+# torch's OpenMP threads waiting for a busy core made such a test 20x slower (1.2 s alone, 23 s
+# in the suite). Subprocesses get the same from subprocess_env.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from scripts.make_synthetic_era5 import generate  # noqa: E402
 from utils.config import DEFAULT_YAML, Config, load_config, with_overrides  # noqa: E402
