@@ -33,6 +33,15 @@ def test_compression_is_refused_where_ddp_does_not_reduce_alone(cfg_factory, fla
         cfg_factory(grad_compression="powersgd", powersgd_rank=0)
 
 
+def test_graph_runs_refuse_compression(cfg_factory):
+    from training.context import RunContext
+    from training.graphs import GraphTrainer
+
+    with pytest.raises(ValueError, match="train_graph.py does not compress gradients"):
+        GraphTrainer(cfg_factory(grad_compression="bf16"), RunContext(device=torch.device("cpu"), run_dir=None),
+                     4)
+
+
 def _bytes_counted_are_bytes_sent() -> None:
     for compression in ("bf16", "powersgd"):
         _count_bytes(compression)

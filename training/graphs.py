@@ -53,6 +53,10 @@ class GraphTrainer(Trainer):
         if cfg.grad_clip_norm:
             raise ValueError("train_graph.py does not clip gradients (its captured step calls Adam "
                              "directly); run --grad_clip_norm with train.py")
+        if cfg.grad_compression != "none":  # a hook's Python callbacks cannot be captured
+            raise ValueError("train_graph.py does not compress gradients (DDP's communication hook "
+                             "runs Python callbacks, which a CUDA graph cannot capture); run "
+                             "--grad_compression with train.py")
         if cfg.data_parallel != "ddp" or cfg.grad_accum_steps > 1:
             raise ValueError("train_graph.py captures one plain DDP step: use --data_parallel ddp and "
                              "--grad_accum_steps 1 (train.py runs zero1, fsdp and accumulation)")
