@@ -38,8 +38,8 @@ def test_graph_runs_refuse_compression(cfg_factory):
     from training.graphs import GraphTrainer
 
     with pytest.raises(ValueError, match="train_graph.py does not compress gradients"):
-        GraphTrainer(cfg_factory(grad_compression="bf16"), RunContext(device=torch.device("cpu"), run_dir=None),
-                     4)
+        ctx = RunContext(device=torch.device("cpu"), run_dir=None)
+        GraphTrainer(cfg_factory(grad_compression="bf16"), ctx, 4)
 
 
 def _bytes_counted_are_bytes_sent() -> None:
