@@ -144,14 +144,30 @@ def hsdp_mesh(mesh: ParallelMesh, cfg: Config) -> Any:
 
 def build_optimizer(model: nn.Module, cfg: Config, mesh: ParallelMesh,
                     kernel: dict[str, bool]) -> torch.optim.Optimizer:
-    """Adam; under zero1 wrapped so that each dp rank keeps the state of its share only."""
-    options = {"lr": cfg.lr, "betas": cfg.adam_betas, **kernel}
+    """The optimizer ``cfg.optimizer_type`` names; under zero1 wrapped so that each dp rank keeps the
+    state of its share only. ``kernel``: Adam's and AdamW's implementation (fused or foreach)."""
+    name = cfg.optimizer_type
+    if name == "LAMB":  # written in the project: its per-tensor norms must span the ranks' parts
+        from distributed.lamb import Lamb, local_sum_squares, split_sum_squares
+
+        whole = mesh.size("tp") == 1 and not fsdp_active(cfg, mesh)  # ZeRO-1 steps whole tensors
+        optimizer_class = Lamb
+        options = {"lr": cfg.lr, "betas": cfg.adam_betas, "weight_decay": cfg.weight_decay,
+                   "sum_squares": local_sum_squares if whole else split_sum_squares(mesh)}
+    elif name == "SGD":
+        optimizer_class = torch.optim.SGD
+        options = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay, **kernel}
+    else:
+        optimizer_class = torch.optim.AdamW if name == "AdamW" else torch.optim.Adam
+        options = {"lr": cfg.lr, "betas": cfg.adam_betas, **kernel}
+        if name == "AdamW":
+            options["weight_decay"] = cfg.weight_decay
     if zero1_active(cfg, mesh):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class,
                                        process_group=mesh.dp_group, **options)
-    return torch.optim.Adam(model.parameters(), **options)
+    return optimizer_class(model.parameters(), **options)
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -116,6 +116,7 @@ def test_pipeline_flags_need_train_mp(data_dir, test_yaml, tmp_path):
 # ------------------------------------------------------- the serial run's losses ---
 PP2 = {"pipeline_parallel": 2}
 CLIP = 0.05  # below every step's gradient norm here
+LAMB = {"optimizer_type": "LAMB", "weight_decay": 0.01}  # with clipping, against the same serial run
 # Every schedule is proven in one run, combined with another dimension where it can be
 # (gpipe with tp, 1f1b at 4 stages, zero bubble with dp and checkpointing).
 VARIANTS = {  # name: (ranks, flags)
@@ -129,15 +130,16 @@ VARIANTS = {  # name: (ranks, flags)
                                                 "activation_checkpointing": "full"}),
     "pp2_x_dp2_fsdp": (4, {**PP2, "data_parallel": "fsdp"}),
     # clipped: the norm's squares summed over the stages and the tp slices
-    "pp2_x_tp2_clipped": (4, {**PP2, "tensor_parallel": 2, "pipeline_schedule": "gpipe",
-                              "grad_clip_norm": CLIP}),
+    # and LAMB: its per-tensor norms summed over the tp slices (each stage holds its own tensors)
+    "pp2_x_tp2_clipped_lamb": (4, {**PP2, "tensor_parallel": 2, "pipeline_schedule": "gpipe",
+                                   "grad_clip_norm": CLIP, **LAMB}),
 }
 
 
 @pytest.fixture(scope="module")
 def serial_clipped(data_dir, test_yaml, tmp_path_factory) -> list[dict]:
     expdir = tmp_path_factory.mktemp("serial_clipped")
-    ok(run(1, args(test_yaml, data_dir, expdir, grad_clip_norm=CLIP)))
+    ok(run(1, args(test_yaml, data_dir, expdir, grad_clip_norm=CLIP, **LAMB)))
     logged = metrics(run_dir(expdir, 1))
     assert all(m["grad_norm_mean"] > CLIP for m in logged)  # clipping acts on the steps
     return logged

@@ -51,7 +51,10 @@ def serial(data_dir, test_yaml, tmp_path_factory) -> list[dict]:
     return metrics(run_dir(expdir, 1))
 
 
-CLIP = {"grad_clip_norm": 0.05}  # below every step's gradient norm here: clipping acts on each step
+# below every step's gradient norm here: clipping acts on each step. The clipped runs also step
+# with LAMB (weight decay included), whose per-tensor norms span the ranks' parts of each tensor
+# (distributed/lamb.py): ZeRO-1 (whole tensors), FSDP x tp (shards and slices), HSDP
+CLIP = {"grad_clip_norm": 0.05, "optimizer_type": "LAMB", "weight_decay": 0.01}
 
 
 @pytest.fixture(scope="module")
@@ -88,17 +91,17 @@ VARIANTS = {  # name: (ranks, flags, model parallel (train_mp.py))
     "fsdp_keep_gathered": (2, {**FSDP, "reshard_after_forward": False}, False),
     "accumulation": (1, {"grad_accum_steps": 4}, False),
     # ZeRO-1 with context parallelism (gradients summed over cp, replicated over dp), clipped
-    "zero1_x_cp2_accumulation_clipped": (4, {"data_parallel": "zero1", "context_parallel": 2,
-                                             "grad_accum_steps": 2, **CLIP}, True),
+    "zero1_x_cp2_accumulation_clipped_lamb": (4, {"data_parallel": "zero1", "context_parallel": 2,
+                                                  "grad_accum_steps": 2, **CLIP}, True),
     # the issue's command: 4 ranks, FSDP, every block recomputed, 2 micro-batches
     "fsdp_checkpointing_accumulation": (4, {**FSDP, "activation_checkpointing": "full",
                                             "grad_accum_steps": 2}, False),
     # the norm's squares summed over the FSDP shards and the tp slices, replicated ones once
-    "fsdp_x_tp_clipped": (4, {**FSDP, "tensor_parallel": 2, **CLIP}, True),
+    "fsdp_x_tp_clipped_lamb": (4, {**FSDP, "tensor_parallel": 2, **CLIP}, True),
     # HSDP: 2 groups of 2 ranks, each sharding the model, shards in host memory; clipped (the
     # norm sums over a sharding group only)
-    "hsdp_offload_clipped": (4, {"data_parallel": "hsdp", "dp_shard": 2, "cpu_offload": True, **CLIP},
-                             False),
+    "hsdp_offload_clipped_lamb": (4, {"data_parallel": "hsdp", "dp_shard": 2, "cpu_offload": True,
+                                      **CLIP}, False),
 }
 
 

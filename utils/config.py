@@ -25,8 +25,8 @@ DEFAULT_YAML = REPO_ROOT / "config" / "ViT.yaml"
 
 AMP_MODES = ("none", "fp16", "bf16")
 DATA_LOADERS = ("pytorch", "dali")
-LR_SCHEDULES = ("cosine", "constant")
-OPTIMIZERS = ("Adam",)
+LR_SCHEDULES = ("cosine", "constant", "onecycle")
+OPTIMIZERS = ("Adam", "AdamW", "LAMB", "SGD")
 DATA_PARALLEL = ("ddp", "zero1", "fsdp", "hsdp")
 GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 ATTENTION_KERNELS = ("auto", "default", "flash", "efficient", "cudnn", "math")  # utils/attention.py
@@ -71,11 +71,21 @@ class Config:
     local_batch_size: int | None = key(None, "per-rank batch (default: global_batch_size / "
                                              "data-parallel ranks)", "optimisation")
     lr: float = key(5e-4, "peak learning rate", "optimisation")
-    lr_schedule: str = key("cosine", "learning-rate schedule after warm-up", "optimisation",
+    lr_schedule: str = key("cosine", "learning-rate schedule after warm-up (onecycle: its own warm-up, "
+                                     "from lr / onecycle_div_factor up to lr, then down)", "optimisation",
                            choices=LR_SCHEDULES)
     warmup: int = key(0, "steps of linear learning-rate warm-up", "optimisation")
-    optimizer_type: str = key("Adam", "optimizer", "optimisation", choices=OPTIMIZERS)
-    adam_betas: tuple[float, float] = key(ADAM_BETAS, "Adam's beta1 and beta2", "optimisation")
+    onecycle_pct_start: float = key(0.3, "onecycle: fraction of the steps spent rising to lr", "optimisation")
+    onecycle_div_factor: float = key(25.0, "onecycle: the first learning rate is lr / this", "optimisation")
+    onecycle_final_div_factor: float = key(1e4, "onecycle: the last learning rate is the first / this",
+                                           "optimisation")
+    optimizer_type: str = key("Adam", "optimizer: Adam, AdamW (decoupled weight decay), LAMB (Adam with "
+                                      "a trust ratio per tensor, for large batches) or SGD (with momentum)",
+                              "optimisation", choices=OPTIMIZERS, aliases=("--optimizer",))
+    adam_betas: tuple[float, float] = key(ADAM_BETAS, "Adam's beta1 and beta2 (AdamW and LAMB too)",
+                                          "optimisation")
+    weight_decay: float = key(0.0, "AdamW and LAMB: decoupled weight decay; SGD: L2 penalty", "optimisation")
+    momentum: float = key(0.9, "SGD: momentum", "optimisation")
     grad_clip_norm: float = key(0.0, "clip the global norm of the whole model's gradient to this "
                                      "(0 = off); the norm before clipping is logged every step",
                                 "optimisation")

@@ -70,6 +70,7 @@ def _check_values(cfg: Config) -> None:
     _check_pipeline(cfg)
     if cfg.bucket_cap_mb <= 0:
         raise ValueError(f"config key 'bucket_cap_mb' must be positive, got {cfg.bucket_cap_mb}")
+    _check_schedule(cfg)
     if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
         raise ValueError(f"config key 'adam_betas' must be two numbers in [0, 1), got {cfg.adam_betas}")
     positive = ("patch_size", "embed_dim", "depth", "num_heads", "n_in_channels",
@@ -135,6 +136,22 @@ def _check_data_parallel(cfg: Config) -> None:
     if cfg.context_parallel > 1:  # cp needs a gradient sum over cp, which FSDP's reduction lacks
         raise ValueError("data_parallel fsdp does not combine with context_parallel > 1 here; use "
                          "--data_parallel ddp or zero1 with context parallelism")
+
+
+def _check_schedule(cfg: Config) -> None:
+    if cfg.weight_decay < 0 or not 0.0 <= cfg.momentum < 1.0:
+        raise ValueError(f"config keys 'weight_decay' (0 or more) and 'momentum' (in [0, 1)) are "
+                         f"{cfg.weight_decay} and {cfg.momentum}")
+    if cfg.lr_schedule != "onecycle":
+        return
+    if not 0.0 < cfg.onecycle_pct_start < 1.0 or cfg.onecycle_div_factor <= 0 \
+            or cfg.onecycle_final_div_factor <= 0:
+        raise ValueError(f"onecycle needs 0 < onecycle_pct_start < 1 and positive div factors, got "
+                         f"{cfg.onecycle_pct_start}, {cfg.onecycle_div_factor} and "
+                         f"{cfg.onecycle_final_div_factor}")
+    if cfg.warmup:
+        raise ValueError(f"--lr_schedule onecycle warms up by itself (over onecycle_pct_start of the "
+                         f"steps); pass --warmup 0 (the config sets {cfg.warmup})")
 
 
 def _check_compression(cfg: Config) -> None:

@@ -1,0 +1,140 @@
+#!/usr/bin/env python
+"""The learning-rate range test: train with a learning rate that grows exponentially each step,
+record the loss, stop when it diverges, and suggest a learning rate from the curve.
+
+    python scripts/lr_range_test.py --config tiny
+    python scripts/lr_range_test.py --config tiny --lr_min 1e-6 --lr_max 1 --steps 200 --expdir logs
+
+The run is the config's training step as train.py takes it (model, data, optimizer, precision),
+in one process; only the schedule differs: step i uses lr_min * (lr_max / lr_min) ** (i / steps).
+The loss is smoothed (an exponential moving average, bias-corrected) and the test stops when the
+smoothed loss exceeds 4 times its lowest value, or is not finite. The suggestion is a tenth of the
+learning rate at the lowest smoothed loss (Smith's rule of thumb: at the minimum the rate is
+already too large to train with; a tenth of it still makes fast progress). Writes
+EXPDIR/lr_range/CONFIG/lr_range.json and lr_range.png, and prints the suggestion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SMOOTHING = 0.9  # weight of the past in the moving average of the loss
+DIVERGED = 4.0  # stop when the smoothed loss is this many times its lowest
+
+
+def range_test(cfg, steps: int, lr_min: float, lr_max: float, out: Path) -> dict:
+    import torch
+
+    from training.context import RunContext
+    from training.trainer import Trainer
+    from utils import device as dev
+
+    device = dev.pick_device(0, 1)
+    trainer = Trainer(cfg, RunContext(device=device, run_dir=out / "run"), cfg.global_batch_size)
+    growth = (lr_max / lr_min) ** (1.0 / max(1, steps - 1))
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda i: growth ** i)
+
+    def batches():  # epoch after epoch, as many as the test needs
+        epoch = 0
+        while True:
+            trainer.train_data.set_epoch(epoch, 0)
+            yield from trainer.train_data
+            epoch += 1
+
+    lrs, losses, smoothed = [], [], []
+    average, best, reason = 0.0, math.inf, f"reached lr_max after {steps} steps"
+    for batch in batches():
+        lr = trainer.optimizer.param_groups[0]["lr"]
+        loss = trainer.train_step(*trainer.to_device(*batch)).item()  # then the rate grows
+        trainer.train_data.give_back(*batch)
+        lrs.append(lr)
+        losses.append(loss)
+        average = SMOOTHING * average + (1 - SMOOTHING) * loss
+        smoothed.append(average / (1 - SMOOTHING ** len(lrs)))
+        best = min(best, smoothed[-1])
+        if not math.isfinite(smoothed[-1]) or smoothed[-1] > DIVERGED * best:
+            reason = f"diverged at lr {lr:.3g} (step {len(lrs)})"
+            break
+        if len(lrs) == steps:
+            break
+    finite = [i for i, v in enumerate(smoothed) if math.isfinite(v)]
+    lowest = min(finite, key=lambda i: smoothed[i])
+    return {"lr": lrs, "loss": losses, "smoothed": smoothed, "stopped": reason,
+            "lowest_at_lr": lrs[lowest], "suggested_lr": lrs[lowest] / 10}
+
+
+def plot(result: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
+    ax.plot(result["lr"], result["loss"], color="#bbbbbb", lw=1, label="loss of each step")
+    ax.plot(result["lr"], result["smoothed"], color="#4c72b0", label="smoothed")
+    ax.axvline(result["lowest_at_lr"], color="#dd8452", ls=":",
+               label=f"lowest smoothed loss: {result['lowest_at_lr']:.2g}")
+    ax.axvline(result["suggested_lr"], color="#55a868", ls="--",
+               label=f"suggested: {result['suggested_lr']:.2g}")
+    finite = [v for v in result["smoothed"] if math.isfinite(v)]
+    if finite:
+        ax.set_ylim(0, min(max(finite), DIVERGED * min(finite)) * 1.1)
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--yaml_config", default=None,
+                   help="YAML file of configurations (default config/ViT.yaml)")
+    p.add_argument("--expdir", type=Path, default=None,
+                   help="root of the outputs (default: the config's expdir)")
+    p.add_argument("--data_dir", default=None, help="the data (default: the config's)")
+    p.add_argument("--steps", type=int, default=200, help="steps from lr_min to lr_max")
+    p.add_argument("--lr_min", type=float, default=1e-6)
+    p.add_argument("--lr_max", type=float, default=1.0)
+    args = p.parse_args(argv)
+    if args.steps < 2 or not 0 < args.lr_min < args.lr_max:
+        p.error("--steps must be at least 2 and 0 < --lr_min < --lr_max")
+
+    from utils.config import DEFAULT_YAML, load_config, with_overrides
+
+    try:
+        cfg = load_config(args.yaml_config or DEFAULT_YAML, args.config)
+        # the rate is the test's: no warm-up, no decay, no clipping of the divergence it looks for
+        overrides = {"lr": args.lr_min, "lr_schedule": "constant", "warmup": 0, "grad_clip_norm": 0.0,
+                     "num_iters": args.steps}
+        if args.data_dir:
+            overrides["data_dir"] = args.data_dir
+        cfg = with_overrides(cfg, **overrides)
+    except ValueError as err:
+        p.error(str(err))
+    out = (args.expdir or cfg.exp_path) / "lr_range" / args.config
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        result = range_test(cfg, args.steps, args.lr_min, args.lr_max, out)
+    except ValueError as err:  # data that cannot be read: one line
+        p.exit(2, f"error: {err}\n")
+    (out / "lr_range.json").write_text(json.dumps(result))
+    plot(result, out / "lr_range.png",
+         f"learning-rate range test: {args.config}, batch {cfg.global_batch_size}, {cfg.optimizer_type}")
+    print(f"{result['stopped']}; the smoothed loss was lowest at lr {result['lowest_at_lr']:.3g}")
+    print(f"suggested lr: {result['suggested_lr']:.3g} (a tenth of that)")
+    print(f"wrote {out / 'lr_range.json'} and {out / 'lr_range.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

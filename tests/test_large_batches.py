@@ -1,0 +1,92 @@
+"""Large-batch tools: the one-cycle schedule (its shape, an exact resume) and LAMB (its formula,
+its one-line refusals). LAMB across layouts: the clipped layouts of test_sharded.py (ZeRO-1 x cp,
+FSDP x tp, HSDP) and test_pipeline.py (pp x tp) step with LAMB against a serial LAMB run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.test_reliability import assert_same_run, make_trainer, metrics
+from training.trainer import make_lr_lambda
+from utils import signals
+
+
+def test_onecycle_rises_then_anneals(cfg_factory):
+    cfg = cfg_factory(lr_schedule="onecycle", num_iters=100, onecycle_pct_start=0.3, onecycle_div_factor=25.0,
+                      onecycle_final_div_factor=1e4)
+    f = make_lr_lambda(cfg)
+    values = [f(step) for step in range(101)]
+    assert values[0] == pytest.approx(1 / 25) and values[30] == pytest.approx(1.0)
+    assert values[100] == pytest.approx(1 / 25 / 1e4)
+    assert values[15] == pytest.approx(1 / 25 + (1 - 1 / 25) / 2)  # half way up the cosine ramp
+    assert all(a < b for a, b in zip(values[:30], values[1:31]))  # up to the peak
+    assert all(a > b for a, b in zip(values[30:100], values[31:101]))  # then down
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"lr_schedule": "onecycle", "warmup": 5}, "onecycle warms up by itself"),
+    ({"lr_schedule": "onecycle", "onecycle_pct_start": 1.0}, "0 < onecycle_pct_start < 1"),
+    ({"optimizer_type": "Lion"}, "'optimizer_type' is 'Lion'; choose one of Adam, AdamW, LAMB, SGD"),
+    ({"weight_decay": -0.1}, "'weight_decay' (0 or more)"),
+    ({"lr": -1e-3}, "'lr' must be positive"),
+])
+def test_bad_values_are_one_line(cfg_factory, flags, message):
+    with pytest.raises(ValueError) as err:
+        cfg_factory(**flags)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_onecycle_run_stopped_by_a_signal_resumes_exactly(cfg_factory, tmp_path, monkeypatch):
+    """Stopped at step 3 of 8 (mid-epoch) and rerun: the same losses as the run straight through."""
+    cfg = cfg_factory(limit_nsamples=16, num_iters=8, checkpoint_every=0, stop_check_every=1,
+                      lr_schedule="onecycle", dropout=0.1)
+    make_trainer(cfg, tmp_path / "straight").fit()
+    first = make_trainer(cfg, tmp_path / "run")
+    step = first.train_step
+
+    def signalled(inp, tar):
+        if first.step == 2:
+            monkeypatch.setattr(signals, "_received", 15)  # SIGTERM during step 3
+        return step(inp, tar)
+
+    first.train_step = signalled
+    first.fit()
+    assert first.stopped_early and first.step == 3
+    monkeypatch.setattr(signals, "_received", None)
+    make_trainer(cfg, tmp_path / "run").fit()
+    assert_same_run(metrics(tmp_path / "straight"), tmp_path / "run")
+
+
+def test_lamb_follows_its_formula():
+    """Two steps on two tensors, against the formula written out here: Adam's bias-corrected
+    direction plus weight decay, scaled per tensor by ||w|| / ||u||."""
+    from distributed.lamb import Lamb
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    expected = [p.detach().clone() for p in params]
+    lr, (b1, b2), eps, wd = 0.01, (0.9, 0.99), 1e-6, 0.1
+    opt = Lamb(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    m = [torch.zeros_like(w) for w in expected]
+    v = [torch.zeros_like(w) for w in expected]
+    for t in (1, 2):
+        grads = [torch.randn_like(w) for w in expected]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        for i, (w, g) in enumerate(zip(expected, grads)):
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            u = (m[i] / (1 - b1 ** t)) / ((v[i] / (1 - b2 ** t)).sqrt() + eps) + wd * w
+            trust = w.norm() / u.norm()
+            expected[i] = w - lr * trust * u
+    for p, w in zip(params, expected):
+        torch.testing.assert_close(p.detach(), w, rtol=1e-6, atol=1e-7)
+    zero = torch.nn.Parameter(torch.zeros(4))
+    zero.grad = torch.ones(4)
+    Lamb([zero], lr=0.5).step()  # ||w|| = 0: the trust ratio is 1, Adam's step
+    assert torch.allclose(zero.detach(), torch.full((4,), -0.5), atol=1e-5)
+    assert math.isfinite(float(params[0].sum()))
