@@ -90,3 +90,66 @@ def test_lamb_follows_its_formula():
     Lamb([zero], lr=0.5).step()  # ||w|| = 0: the trust ratio is 1, Adam's step
     assert torch.allclose(zero.detach(), torch.full((4,), -0.5), atol=1e-5)
     assert math.isfinite(float(params[0].sum()))
+
+
+def _norms_of_split_tensors() -> None:
+    """LAMB's squared norms, on 2 ranks, of tensors split the two ways a rank can hold part of a
+    tensor: a tensor-parallel slice (a different half on each rank) and an FSDP shard. They must be
+    those of the whole tensors (a rank that used its part alone would see about half)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from distributed.lamb import split_sum_squares
+    from distributed.mesh import build_mesh
+    from distributed.sharding import local
+    from distributed.tags import tag
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    weight, bias = torch.randn(4, 6), torch.randn(6) * 3  # the whole tensors, the same on both ranks
+    weight[:, 3:] *= 5  # the halves differ: their norms' ratio is not the whole's
+    tp = build_mesh({"tp": 2, "cp": 1})
+    split = tag(torch.nn.Parameter(weight[:, 3 * rank:3 * rank + 3].clone()), shard_dim=1)
+    replicated = tag(torch.nn.Parameter(bias.clone()))
+    got = split_sum_squares(tp)([split, replicated], [split.detach(), replicated.detach()])
+    torch.testing.assert_close(got, torch.stack([weight.pow(2).sum(), bias.pow(2).sum()]))
+
+    linear = torch.nn.Linear(6, 4)
+    whole = [p.detach().clone() for p in linear.parameters()]
+    dp = build_mesh({"tp": 1, "cp": 1})
+    fully_shard(linear, mesh=dp.device_mesh["dp"])
+    params = list(linear.parameters())
+    got = split_sum_squares(dp)(params, [local(p).detach() for p in params])
+    torch.testing.assert_close(got, torch.stack([w.pow(2).sum() for w in whole]))
+
+
+@pytest.mark.timeout(120)
+def test_lamb_norms_of_split_tensors_are_the_whole_tensors():
+    from tests.dist_spawn import run_ranks
+
+    run_ranks(2, _norms_of_split_tensors)
+
+
+def test_the_range_test_stops_at_divergence_and_suggests_a_tenth(data_dir, tmp_path, capsys):
+    """The rate grows from 1e-5 to 10 over 40 steps; the tiny test model diverges before the end,
+    and the suggestion is a tenth of the rate at the lowest smoothed loss."""
+    import json
+
+    from scripts import lr_range_test
+    from tests.ddp_helpers import write_test_yaml
+
+    yaml = write_test_yaml(tmp_path / "t.yaml")
+    assert lr_range_test.main(["--config", "tiny", "--yaml_config", str(yaml), "--data_dir", str(data_dir),
+                               "--expdir", str(tmp_path), "--steps", "40", "--lr_min", "1e-5",
+                               "--lr_max", "10"]) == 0
+    out = tmp_path / "lr_range" / "tiny"
+    result = json.loads((out / "lr_range.json").read_text())
+    lrs = result["lr"]
+    assert lrs[0] == pytest.approx(1e-5) and all(b > a for a, b in zip(lrs, lrs[1:]))
+    assert result["stopped"].startswith("diverged at lr") and len(lrs) < 40
+    assert result["suggested_lr"] == pytest.approx(result["lowest_at_lr"] / 10)
+    assert (out / "lr_range.png").is_file()
+    printed = capsys.readouterr().out
+    assert f"suggested lr: {result['suggested_lr']:.3g}" in printed
+    with pytest.raises(SystemExit):
+        lr_range_test.main(["--lr_min", "1", "--lr_max", "0.1"])

@@ -116,7 +116,8 @@ def test_pipeline_flags_need_train_mp(data_dir, test_yaml, tmp_path):
 # ------------------------------------------------------- the serial run's losses ---
 PP2 = {"pipeline_parallel": 2}
 CLIP = 0.05  # below every step's gradient norm here
-LAMB = {"optimizer_type": "LAMB", "weight_decay": 0.01}  # with clipping, against the same serial run
+# with clipping, against the same serial run (LAMB's rate is relative: 0.05 trains visibly here)
+LAMB = {"optimizer_type": "LAMB", "weight_decay": 0.01, "lr": 0.05}
 # Every schedule is proven in one run, combined with another dimension where it can be
 # (gpipe with tp, 1f1b at 4 stages, zero bubble with dp and checkpointing).
 VARIANTS = {  # name: (ranks, flags)

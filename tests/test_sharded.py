@@ -54,7 +54,8 @@ def serial(data_dir, test_yaml, tmp_path_factory) -> list[dict]:
 # below every step's gradient norm here: clipping acts on each step. The clipped runs also step
 # with LAMB (weight decay included), whose per-tensor norms span the ranks' parts of each tensor
 # (distributed/lamb.py): ZeRO-1 (whole tensors), FSDP x tp (shards and slices), HSDP
-CLIP = {"grad_clip_norm": 0.05, "optimizer_type": "LAMB", "weight_decay": 0.01}
+# (LAMB's rate is relative, a step moves each tensor by lr times its norm: 0.05 trains visibly here)
+CLIP = {"grad_clip_norm": 0.05, "optimizer_type": "LAMB", "weight_decay": 0.01, "lr": 0.05}
 
 
 @pytest.fixture(scope="module")
