@@ -136,7 +136,9 @@ def init_distributed(env: DistEnv, device: torch.device, collective_timeout_s: f
     global _heartbeat
     from distributed import health  # only distributed runs
 
-    _heartbeat = health.start(env.master_addr, env.master_port, env.rank, env.world_size)
+    # the watchdog waits for the collective's own timeout, plus two heartbeats
+    _heartbeat = health.start(env.master_addr, env.master_port, env.rank, env.world_size,
+                              stuck_after_s=collective_timeout_s + 2 * health.PERIOD_S)
 
 
 _heartbeat = None  # this rank's distributed.health.Heartbeat, once the process group is up

@@ -36,17 +36,23 @@ log = logging.getLogger(__name__)
 
 PERIOD_S = 2.0  # seconds between a rank's entries
 STALE_S = 3 * PERIOD_S + 1  # no entry for this long: the rank is stopped or frozen
+# phases of a training step: none of them can take longer than the collective timeout (a collective
+# waiting that long has failed); validation and checkpoints, which can, are not watched
+WATCHED = ("forward", "backward", "optimizer step", "stop check", "epoch end")
 
 
 class Heartbeat:
     """This rank's entry in the store, written every ``period_s`` by a daemon thread."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, prefix: str,
-                 period_s: float = PERIOD_S) -> None:
+                 period_s: float = PERIOD_S, stuck_after_s: float | None = None) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.prefix, self.period_s = prefix, period_s
         self.step, self.phase = 0, "start-up"
         self.collectives: dict[str, str] = {}  # phase -> the collectives it runs in this layout
+        # the watchdog: a step phase that lasts longer than this ends the process (see _run)
+        self.stuck_after_s, self.changed, self.first_step = stuck_after_s, time.monotonic(), None
+        self.reporting = False  # a diagnosis is being written: the watchdog stands down
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -56,7 +62,9 @@ class Heartbeat:
         return self
 
     def mark(self, step: int, phase: str) -> None:
-        self.step, self.phase = step, phase
+        self.step, self.phase, self.changed = step, phase, time.monotonic()
+        if self.first_step is None:
+            self.first_step = step
 
     def where(self, step: int, phase: str) -> str:
         what = self.collectives.get(phase)
@@ -73,6 +81,25 @@ class Heartbeat:
                 self._write()
             except Exception:  # the store went away (the job is ending): stop quietly
                 return
+            if self.stuck():
+                self.give_up()
+
+    def stuck(self) -> bool:
+        """Whether this rank has been in one phase of a training step for longer than the watchdog
+        allows. The process group's timeout should have ended the collective before; on some
+        torch versions it does not (torch 2.8's DDP on gloo waits for a frozen peer for ever).
+        The first step of a process is not watched (compilation may take minutes)."""
+        return (self.stuck_after_s is not None and not self.reporting and self.phase in WATCHED
+                and self.first_step is not None and self.step > self.first_step
+                and time.monotonic() - self.changed > self.stuck_after_s)
+
+    def give_up(self) -> None:
+        """The watchdog's end: the diagnosis line, then the process ends (the launcher stops the rest)."""
+        waited = time.monotonic() - self.changed
+        log.error("%s (no progress for %.0f s, longer than the collective timeout: the collective did "
+                  "not end by itself)", self.diagnosis(), waited)
+        logging.shutdown()
+        os._exit(1)
 
     def stop(self) -> None:
         self._stop.set()
@@ -93,6 +120,7 @@ class Heartbeat:
     def diagnosis(self, now: float | None = None) -> str:
         """One line: where this rank gave up, and which ranks did not arrive and where they are
         (never raises: the diagnosis must not hide the error it explains)."""
+        self.reporting = True
         try:
             return self._diagnosis(now)
         except Exception as err:
@@ -143,9 +171,10 @@ def collectives_by_phase(ddp: bool, fsdp: bool, zero1: bool, model_parallel: boo
     }
 
 
-def start(master_addr: str, master_port: int, rank: int, world_size: int) -> Heartbeat | None:
+def start(master_addr: str, master_port: int, rank: int, world_size: int,
+          stuck_after_s: float | None = None) -> Heartbeat | None:
     """Start this rank's heartbeat on its own connection to the rendezvous store (a failure to
-    connect only costs the diagnosis: logged, never fatal)."""
+    connect only costs the diagnosis: logged, never fatal); with ``stuck_after_s``, its watchdog."""
     try:
         store = dist.TCPStore(master_addr, master_port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
@@ -155,4 +184,4 @@ def start(master_addr: str, master_port: int, rank: int, world_size: int) -> Hea
         return None
     # a restart under torchrun (--max_restarts) must not read the previous attempt's entries
     prefix = f"era5_heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    return Heartbeat(store, rank, world_size, prefix).start()
+    return Heartbeat(store, rank, world_size, prefix, stuck_after_s=stuck_after_s).start()

@@ -127,3 +127,25 @@ def test_the_heartbeat_names_the_rank_that_did_not_arrive():
     lonely = Heartbeat(dist.HashStore(), 0, 2, "hb/", period_s=0.01)
     lonely.others = lambda read_timeout_s=5.0: {1: None}  # the store had nothing from rank 1
     assert "rank 1 never reported" in lonely.diagnosis()
+
+
+def test_the_watchdog_watches_only_a_step_after_the_first():
+    """A phase of a training step that lasts longer than the limit ends the process (torch 2.8's DDP
+    on gloo never times out waiting for a frozen peer); not the first step (compilation), not
+    validation or checkpoints, not while a diagnosis is being written."""
+    import torch.distributed as dist
+
+    beat = Heartbeat(dist.HashStore(), 0, 2, "hb/", stuck_after_s=0.05)
+    beat.mark(10, "backward")  # the first step of this process
+    time.sleep(0.1)
+    assert not beat.stuck()
+    beat.mark(11, "validation")
+    time.sleep(0.1)
+    assert not beat.stuck()
+    beat.mark(11, "backward")
+    assert not beat.stuck()  # just marked
+    time.sleep(0.1)
+    assert beat.stuck()
+    beat.reporting = True
+    assert not beat.stuck()
+    assert not Heartbeat(dist.HashStore(), 0, 2, "hb/").stuck()  # no limit: no watchdog

@@ -87,9 +87,10 @@ def test_compressed_gradients_and_a_frozen_rank(runs, args_for, tmp_path):
     their validation loss is within 1% (bf16) and 5% (powersgd) of the uncompressed run's.
 
     A frozen rank: rank 1 stops itself (SIGSTOP) in its step 3's backward, while DDP all-reduces.
-    Rank 0's all-reduce gives up after --collective_timeout_s, and rank 0 names rank 1 in one line
-    (its heartbeat stopped: distributed/health.py); torchrun then stops the job (it gives the
-    frozen rank 30 s to exit before killing it). The job ends within the timeout plus 45 s."""
+    Rank 0's all-reduce gives up after --collective_timeout_s (on torch 2.8, where it waits for
+    ever, the heartbeat's watchdog gives up 4 s later), and rank 0 names rank 1 in one line (its
+    heartbeat stopped: distributed/health.py); torchrun then stops the job (it gives the frozen
+    rank 30 s to exit before killing it). The job ends within the timeout plus 45 s."""
     timeout_s = 6
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
            *args_for(tmp_path / "frozen", num_iters=5000, collective_timeout_s=timeout_s)]

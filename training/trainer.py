@@ -243,6 +243,7 @@ class Trainer:
                     inp, tar = self.to_device(*batch)
                 with reporting.compile_notice(self.device, self.cfg.enable_jit and
                                               self.step == self._steps_at_start):
+                    self.mark("forward")  # (a pipelined step marks nothing finer)
                     self.epoch_loss += self.train_step(inp, tar)
             del inp, tar
             self.train_data.give_back(*batch)  # the step is over: the loader may reuse its memory
