@@ -28,6 +28,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.script_config import add_config_args, load_script_config  # noqa: E402
+
 
 class Timeline:
     """Timestamps (seconds since the step started) of one step."""
@@ -211,9 +213,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="tiny")
-    p.add_argument("--yaml_config", default=None,
-                   help="YAML file of configurations (default config/ViT.yaml)")
+    add_config_args(p, outputs=False)
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--bucket_mb", type=float, nargs="+", default=[25.0, 1.0, 0.25],
@@ -228,16 +228,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from distributed.env import init_distributed, parse_env
     from utils import device as dev
-    from utils.config import DEFAULT_YAML, load_config
-
     env = parse_env()
     if env.world_size < 2:
         p.error("start it on 2 or more ranks: torchrun --standalone --nproc_per_node 2 "
                 "scripts/comm_overlap.py")
-    try:
-        cfg = load_config(args.yaml_config or DEFAULT_YAML, args.config)
-    except ValueError as err:
-        p.error(str(err))
+    cfg = load_script_config(p, args)
     dev.set_cpu_threads(env.local_world_size)
     device = dev.pick_device(env.local_rank, env.local_world_size)
     init_distributed(env, device, cfg.collective_timeout_s, cfg.rendezvous_timeout_s)

@@ -4,6 +4,7 @@ record the loss, stop when it diverges, and suggest a learning rate from the cur
 
     python scripts/lr_range_test.py --config tiny
     python scripts/lr_range_test.py --config tiny --lr_min 1e-6 --lr_max 1 --steps 200 --expdir logs
+    python scripts/lr_range_test.py --config tiny --optimizer LAMB
 
 The run is the config's training step as train.py takes it (model, data, optimizer, precision),
 in one process; only the schedule differs: step i uses lr_min * (lr_max / lr_min) ** (i / steps).
@@ -24,6 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from scripts.script_config import add_config_args, load_script_config  # noqa: E402
 
 SMOOTHING = 0.9  # weight of the past in the moving average of the loss
 DIVERGED = 4.0  # stop when the smoothed loss is this many times its lowest
@@ -96,32 +99,20 @@ def plot(result: dict, path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="tiny")
-    p.add_argument("--yaml_config", default=None,
-                   help="YAML file of configurations (default config/ViT.yaml)")
-    p.add_argument("--expdir", type=Path, default=None,
-                   help="root of the outputs (default: the config's expdir)")
-    p.add_argument("--data_dir", default=None, help="the data (default: the config's)")
+    add_config_args(p)
     p.add_argument("--steps", type=int, default=200, help="steps from lr_min to lr_max")
     p.add_argument("--lr_min", type=float, default=1e-6)
     p.add_argument("--lr_max", type=float, default=1.0)
+    p.add_argument("--optimizer", default=None, help="Adam, AdamW, LAMB or SGD (default: the config's)")
     args = p.parse_args(argv)
     if args.steps < 2 or not 0 < args.lr_min < args.lr_max:
         p.error("--steps must be at least 2 and 0 < --lr_min < --lr_max")
 
-    from utils.config import DEFAULT_YAML, load_config, with_overrides
-
-    try:
-        cfg = load_config(args.yaml_config or DEFAULT_YAML, args.config)
-        # the rate is the test's: no warm-up, no decay, no clipping of the divergence it looks for
-        overrides = {"lr": args.lr_min, "lr_schedule": "constant", "warmup": 0, "grad_clip_norm": 0.0,
-                     "num_iters": args.steps}
-        if args.data_dir:
-            overrides["data_dir"] = args.data_dir
-        cfg = with_overrides(cfg, **overrides)
-    except ValueError as err:
-        p.error(str(err))
-    out = (args.expdir or cfg.exp_path) / "lr_range" / args.config
+    # the rate is the test's: no warm-up, no decay, no clipping of the divergence it looks for
+    cfg = load_script_config(p, args, lr=args.lr_min, lr_schedule="constant", warmup=0, grad_clip_norm=0.0,
+                             num_iters=args.steps, optimizer_type=args.optimizer)
+    name = args.config + (f"_{args.optimizer}" if args.optimizer else "")
+    out = (args.expdir or cfg.exp_path) / "lr_range" / name
     out.mkdir(parents=True, exist_ok=True)
     try:
         result = range_test(cfg, args.steps, args.lr_min, args.lr_max, out)

@@ -20,7 +20,7 @@ from utils.data_loader import ERA5Dataset
 
 VARIANT = os.environ.get("EXERCISE_VARIANT", "solution")
 NAMES = ("sample_index", "amp_step", "allreduce_grads", "compress_hook", "tp_mlp", "tp_mlp_split",
-         "grad_accum", "pipeline_balance")
+         "grad_accum", "pipeline_balance", "lamb_trust")
 
 
 def exercise(name: str, variant: str = VARIANT):
@@ -50,7 +50,7 @@ def test_shipped_exercises_are_unsolved(name, tmp_path):
     them. (Your own edits to them are not looked at here: `make exercise NAME=...` checks those.)"""
     module = shipped_exercise(name, tmp_path)
     functions = ("locate", "amp_step", "average_gradients", "bf16_hook", "shard_mlp", "tp_mlp_forward",
-                 "accumulate_gradients", "balance_stages")
+                 "accumulate_gradients", "balance_stages", "lamb_update")
     fn = next(getattr(module, f) for f in functions if hasattr(module, f))
     with pytest.raises(NotImplementedError, match="exercise"):
         fn(*([None] * fn.__code__.co_argcount))
@@ -397,3 +397,30 @@ def test_pipeline_balance():
         assert largest == pytest.approx(_largest_stage_by_brute_force(costs, n_stages)), (costs, ranges)
     # the ViT's case: a heavy last layer (norm, head and loss) gets a stage of its own
     assert balance([1.0, 1.0, 1.0, 1.0, 1.0, 2.5], 3)[-1] == range(5, 6)
+
+
+def test_lamb_trust():
+    """One step of the project's LAMB (distributed/lamb.py) on tensors of different sizes, from
+    the same weights and gradients: the exercise's update gives the same tensors. At the first
+    step Adam's direction is g / (|g| + eps) (bias-corrected moments g and g**2)."""
+    from distributed.lamb import Lamb
+
+    update = exercise("lamb_trust").lamb_update
+    torch.manual_seed(0)
+    lr, wd, eps = 0.01, 0.1, 1e-6
+    cases = [torch.randn(8, 4) * 3, torch.randn(16) * 0.01, torch.zeros(5)]  # the last: ||w|| = 0
+    for w in cases:
+        g = torch.randn_like(w)
+        p = torch.nn.Parameter(w.clone())
+        p.grad = g.clone()
+        Lamb([p], lr=lr, eps=eps, weight_decay=wd).step()
+        direction = g / (g.abs() + eps)
+        u = direction + wd * w
+        got = update(w.clone(), direction, lr, wd)
+        assert got is not None, "lamb_update must return the new tensor"
+        assert_close_with_hint(got, p.detach(), f"the step of a tensor of shape {tuple(w.shape)}", {
+            "the trust ratio is ||w|| / ||u||, not ||u|| / ||w||": w - lr * (u.norm() / w.norm()) * u,
+            "the weight decay term belongs in u (it is scaled by the trust ratio too)":
+                w - lr * (w.norm() / direction.norm()) * direction - lr * wd * w,
+            "without the trust ratio this is AdamW's step": w - lr * u,
+        })

@@ -153,3 +153,38 @@ def test_the_range_test_stops_at_divergence_and_suggests_a_tenth(data_dir, tmp_p
     assert f"suggested lr: {result['suggested_lr']:.3g}" in printed
     with pytest.raises(SystemExit):
         lr_range_test.main(["--lr_min", "1", "--lr_max", "0.1"])
+
+
+def test_the_scaling_study_plans_equal_samples_and_scales_the_rate(cfg_factory):
+    """Every batch sees the same samples in fewer steps, with the warm-up over the same samples,
+    as micro-batches of the base batch; the three rules' rates."""
+    from scripts.batch_scaling import plan_run, scaled_lr
+
+    cfg = cfg_factory(global_batch_size=16, warmup=20)
+    assert plan_run(cfg, 16, 16, 5120) == {"global_batch_size": 16, "grad_accum_steps": 1, "num_iters": 320,
+                                           "warmup": 20}
+    assert plan_run(cfg, 128, 16, 5120) == {"global_batch_size": 128, "grad_accum_steps": 8, "num_iters": 40,
+                                            "warmup": 3}  # 20 x 16 = 320 samples: 2.5 steps of 128
+    assert plan_run(cfg, 512, 16, 512)["warmup"] == 0  # one step: no room to warm up
+    assert plan_run(cfg_factory(warmup=0), 64, 16, 640)["warmup"] == 0
+    assert [scaled_lr(rule, 1e-3, 64, 16) for rule in ("constant", "linear", "sqrt")] == \
+        pytest.approx([1e-3, 4e-3, 2e-3])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batches", "16,24"], "every batch must be a multiple of the micro-batch (16)"),
+    (["--batches", "16,x"], "--batches takes whole numbers"),
+    (["--rules", "cubic"], "unknown rule 'cubic'"),
+    (["--optimizers", "SGD"], "--optimizers takes Adam, LAMB or both"),
+    (["--optimizers", "Lion"], "choose one of Adam, AdamW, LAMB, SGD"),
+    (["--samples", "100"], "--samples 100 is less than one batch of 512"),
+    (["--lamb_lr", "-1"], "learning rates must be positive"),
+])
+def test_the_scaling_study_refuses_bad_input_in_one_line(flags, message, capsys):
+    from scripts import batch_scaling
+
+    with pytest.raises(SystemExit) as stop:
+        batch_scaling.main(["--config", "tiny", *flags])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1], err
