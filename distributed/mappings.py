@@ -11,6 +11,7 @@ also runs on one process without a process group.
 | scatter_to       | keep this rank's slice       | all-gather the slices                 |
 | gather_from      | all-gather the slices        | keep this rank's slice                |
 | gather_sequence  | all-gather the slices        | reduce-scatter: sum, keep own slice   |
+| reduce_scatter_to| reduce-scatter               | all-gather the slices                 |
 
 Slices may be uneven: ``sizes`` lists every rank's length along ``dim`` (default: as even
 as possible, the first ``n % ranks`` ranks one longer, see :func:`split_sizes`).
@@ -85,10 +86,10 @@ def all_gather_along(x: torch.Tensor, dim: int, group, sizes: list[int]) -> torc
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group, sizes: list[int]) -> torch.Tensor:
-    """Sum over ranks, keep this rank's slice. Done as all-reduce + slice: gloo has no
-    reduce-scatter for uneven slices. It moves about twice the data of a true
-    reduce-scatter, a cost paid once per attention layer in backward only."""
+def reduce_scatter_along(x: torch.Tensor, dim: int, group, sizes: list[int]) -> torch.Tensor:
+    """Sum over ranks, keep this rank's slice along ``dim``. Done as all-reduce + slice: gloo has
+    no reduce-scatter for uneven slices. It moves about twice the data of a true reduce-scatter
+    (NCCL's ``reduce_scatter_tensor``); the results are the same."""
     return _split(_all_reduce(x, group), dim, group, sizes)
 
 
@@ -143,7 +144,18 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group, ctx.sizes), None, None, None
+        return reduce_scatter_along(grad, ctx.dim, ctx.group, ctx.sizes), None, None, None
+
+
+class _ReduceScatterTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, sizes):
+        ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
+        return reduce_scatter_along(x, dim, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(grad, ctx.dim, ctx.group, ctx.sizes), None, None, None
 
 
 @torch.compiler.disable
@@ -186,3 +198,14 @@ def gather_sequence(x: torch.Tensor, dim: int, group, sizes: list[int] | None = 
     if _world(group) == 1:
         return x
     return _GatherSequence.apply(x, dim, group, _sizes(x, dim, group, sizes, total=False))
+
+
+@torch.compiler.disable
+def reduce_scatter_to(x: torch.Tensor, dim: int, group, sizes: list[int] | None = None) -> torch.Tensor:
+    """Sequence parallel exit of a row-parallel layer. Forward: sum the partial results over the
+    ranks and keep this rank's slice of the tokens (the all-reduce of tensor parallelism, cut in
+    half: its reduce-scatter part). Backward: every rank needs the gradient of all the tokens it
+    summed, so the slices' gradients are all-gathered."""
+    if _world(group) == 1:
+        return x
+    return _ReduceScatterTo.apply(x, dim, group, _sizes(x, dim, group, sizes, total=True))

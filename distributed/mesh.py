@@ -94,6 +94,9 @@ def check_model(cfg: Config) -> None:
     if cp > tokens:
         raise ValueError(f"context_parallel exceeds the number of tokens {sizes}; "
                          f"use fewer context-parallel ranks or smaller patches")
+    if cfg.sequence_parallel and tp * cp > tokens:  # each tp rank of a cp slice needs a token
+        raise ValueError(f"sequence_parallel needs a token for every tp rank of every cp slice {sizes}; "
+                         f"use fewer ranks or smaller patches")
 
 
 def _strides(sizes: dict[str, int]) -> dict[str, int]:

@@ -46,8 +46,10 @@ from utils.config import Config
 log = logging.getLogger(__name__)
 
 
-def apply_model_parallel(model: ViT, mesh: ParallelMesh) -> ViT:
-    """Swap the serial layers for tensor/context-parallel ones (in place); tag every parameter."""
+def apply_model_parallel(model: ViT, mesh: ParallelMesh, sequence_parallel: bool = False) -> ViT:
+    """Swap the serial layers for tensor/context-parallel ones (in place); tag every parameter.
+    With ``sequence_parallel`` (and tp > 1) the tokens between the tensor-parallel layers are
+    split over tp as well: after the cp split, each tp rank keeps its part of the cp slice."""
     if mesh.size("tp") == 1 and mesh.size("cp") == 1:  # nothing to split inside the layers
         return model
     # imported here: a run without tensor or context parallelism never needs the layers
@@ -57,16 +59,29 @@ def apply_model_parallel(model: ViT, mesh: ParallelMesh) -> ViT:
         SequenceGather,
         SequenceSplit,
         sequence_sizes,
+        tp_sequence_sizes,
     )
 
+    sp = sequence_parallel and mesh.size("tp") > 1
     sizes = sequence_sizes(model.num_tokens, mesh)
+    tp_sizes = tp_sequence_sizes(model.num_tokens, mesh) if sp else None
     for block in model.blocks.values():
-        block.attn = DistributedAttention(block.attn, mesh, sizes)
-        block.mlp = DistributedMLP(block.mlp, mesh)
+        block.attn = DistributedAttention(block.attn, mesh, sizes, tp_sizes)
+        block.mlp = DistributedMLP(block.mlp, mesh, tp_sizes)
+    splits, gathers = [], []  # (B, N, D) -> cp slice -> its tp part, and back in reverse
     if mesh.size("cp") > 1:
-        model.seq_split = SequenceSplit(sizes, mesh)
-        model.seq_gather = SequenceGather(sizes, mesh)
-    tag_model(model, mesh)
+        splits.append(SequenceSplit(sizes, mesh, "cp"))
+        gathers.insert(0, SequenceGather(sizes, mesh, "cp"))
+    if sp:
+        splits.append(SequenceSplit(tp_sizes, mesh, "tp"))
+        gathers.insert(0, SequenceGather(tp_sizes, mesh, "tp"))
+    if sp:
+        log.info("sequence parallel: between the tensor-parallel layers this rank holds %d of the %d "
+                 "tokens", tp_sizes[mesh.rank_in("tp")], model.num_tokens)
+    if splits:
+        model.seq_split = splits[0] if len(splits) == 1 else nn.Sequential(*splits)
+        model.seq_gather = gathers[0] if len(gathers) == 1 else nn.Sequential(*gathers)
+    tag_model(model, mesh, sequence_parallel=sp)
     return model
 
 
@@ -150,7 +165,7 @@ def parallelize(model: ViT, mesh: ParallelMesh, cfg: Config, device: torch.devic
     ``model`` is built on the meta device when ``initial_values`` is given: nothing is
     allocated until the model is split, then each rank allocates its own part (materialize)."""
     meta = initial_values is not None
-    model = apply_model_parallel(model, mesh)
+    model = apply_model_parallel(model, mesh, cfg.sequence_parallel)
     if not meta:
         model = model.to(device)
     model = apply_activation_checkpointing(model, cfg.activation_checkpointing)

@@ -15,6 +15,10 @@ Which gradients need a sum, and why:
   SC23 bug) would multiply them by tp.
 - under cp every parameter is replicated while each rank sees only its part of the
   tokens: each gradient is a partial sum over tokens and must be summed over cp.
+- with sequence parallelism the replicated parameters (norms, biases of row-parallel layers,
+  patch embedding, head) see only this tp rank's tokens too: summed over tp. The tp-sharded
+  weights see every token of their features (the column-parallel layer gathers them, the
+  row-parallel one's backward all-gathers the gradient): complete, no sum.
 - over dp, DDP averages as usual.
 """
 
@@ -47,12 +51,15 @@ def spec(p: torch.Tensor) -> ParamSpec:
     return getattr(p, "mp_spec", ParamSpec())
 
 
-def tag_model(model: nn.Module, mesh: ParallelMesh) -> None:
+def tag_model(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool = False) -> None:
     """Complete every parameter's tag: untagged ones are replicated; with cp > 1 every
-    gradient is summed over cp (see the module docstring)."""
-    grad_sum = ("cp",) if mesh.size("cp") > 1 else ()
+    gradient is summed over cp, with sequence parallelism the replicated ones over tp too
+    (see the module docstring)."""
+    cp = ("cp",) if mesh.size("cp") > 1 else ()
     for p in model.parameters():
-        tag(p, spec(p).shard_dim, grad_sum)
+        shard_dim = spec(p).shard_dim
+        tp = ("tp",) if sequence_parallel and shard_dim is None else ()
+        tag(p, shard_dim, tp + cp)
 
 
 def needs_grad_sum(model: nn.Module) -> bool:
@@ -89,12 +96,27 @@ def ddp_comm_hook(mesh: ParallelMesh):
     # no annotations: DDP inspects them, and `from __future__ import annotations` makes them strings
     def hook(state, bucket):
         buffer = bucket.buffer()
-        sums = {spec(p).grad_sum for p in bucket.parameters()}
-        # tag_model gives every parameter the same dimensions, so one collective per bucket does
-        assert len(sums) == 1, f"a DDP bucket mixes gradient groups {sums}"
-        for name in sums.pop():
-            if mesh.size(name) > 1:
-                dist.all_reduce(buffer, group=mesh.group(name))
+        # the bucket's parameters by the dimensions their gradients are summed over: all the
+        # same under cp (one collective for the bucket); with sequence parallelism the
+        # replicated ones also over tp (one more collective for their part of the bucket)
+        parts: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        offset = 0
+        for p in bucket.parameters():  # the buffer holds their gradients in this order
+            parts.setdefault(spec(p).grad_sum, []).append(buffer[offset:offset + p.numel()])
+            offset += p.numel()
+        for dims, views in parts.items():
+            for name in dims:
+                if mesh.size(name) == 1:
+                    continue
+                if len(parts) == 1:
+                    dist.all_reduce(buffer, group=mesh.group(name))
+                    continue
+                flat = torch.cat(views)
+                dist.all_reduce(flat, group=mesh.group(name))
+                start = 0
+                for v in views:  # back into the bucket, where DDP reads the result
+                    v.copy_(flat[start:start + v.numel()])
+                    start += v.numel()
         buffer.div_(mesh.dp_size)
         work = dist.all_reduce(buffer, group=mesh.dp_group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])

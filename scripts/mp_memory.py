@@ -2,6 +2,7 @@
 """Memory per rank of the tensor/context-parallel ViT, on any device (CPU included).
 
     torchrun --standalone --nproc_per_node 4 scripts/mp_memory.py --config tiny --tensor_parallel 4
+    torchrun --standalone --nproc_per_node 4 scripts/mp_memory.py --config tiny --tensor_parallel 4 --sequence_parallel
 
 Counts the bytes a rank holds: parameters, gradients, Adam's two moments, and the
 activations autograd saves for backward in one training forward pass (counted with
@@ -54,10 +55,12 @@ def main() -> None:
     p.add_argument("--config", default="tiny")
     p.add_argument("--tensor_parallel", type=int, default=1)
     p.add_argument("--context_parallel", type=int, default=1)
+    p.add_argument("--sequence_parallel", action="store_true",
+                   help="split the activations between the tensor-parallel layers over tp as well")
     p.add_argument("--local_batch_size", type=int, default=4)
     args = p.parse_args()
     cfg = with_overrides(load_config(DEFAULT_YAML, args.config), tensor_parallel=args.tensor_parallel,
-                         context_parallel=args.context_parallel)
+                         context_parallel=args.context_parallel, sequence_parallel=args.sequence_parallel)
     env = parse_env()
     device = dev.pick_device(env.local_rank)
     init_distributed(env, device)
@@ -72,7 +75,7 @@ def main() -> None:
         out.square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    report = {"config": args.config, **{n: mesh.size(n) for n in mesh.sizes},
+    report = {"config": args.config, **{n: mesh.size(n) for n in mesh.sizes}, "sp": args.sequence_parallel,
               "local_batch": args.local_batch_size, **memory_report(model, opt, device),
               "saved_activations_MiB": act / MIB}
     if env.rank == 0:

@@ -138,6 +138,13 @@ def _mappings_on_ranks() -> None:
     # w0 + w1 = 2 * arange(5) + 10, rank 0 keeps items 0..2, rank 1 items 3..4
     _check("gather_sequence backward (reduce-scatter)", x.grad, [[10.0, 12.0, 14.0], [16.0, 18.0]][r])
 
+    # every rank holds 5 partial sums (rank r: arange(5) + 10 r); each keeps its 3 + 2 of the sum
+    x = (torch.arange(5.0) + 10 * r).requires_grad_()
+    y = M.reduce_scatter_to(x, 0, group, [3, 2])
+    (y * c).sum().backward()
+    _check("reduce_scatter_to forward", y.detach(), [[10.0, 12.0, 14.0], [16.0, 18.0]][r])
+    _check("reduce_scatter_to backward (all-gather)", x.grad, [1.0, 1.0, 1.0, 2.0, 2.0])
+
     # non-contiguous input: a transposed (2, 5) view, split along dim 1 as 3 + 2
     base = torch.arange(10.0).view(5, 2)
     x = base.t().requires_grad_()  # x[i, j] = 2 j + i
@@ -190,16 +197,18 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, errors: list[str], 
         errors.append(f"{name}: max difference {diff} (scale {want.abs().max().item():.3g})")
 
 
-def _parity_on_ranks(layouts: list[tuple[int, int]]) -> None:
+def _parity_on_ranks(layouts: list[tuple[int, ...]]) -> None:
+    """Each layout (tp, cp) or (tp, cp, sequence parallel) against the serial model."""
     errors: list[str] = []
-    for tp, cp in layouts:
+    for tp, cp, *rest in layouts:
+        sp = bool(rest and rest[0])
         mesh = build_mesh({"tp": tp, "cp": cp})
-        where = f"tp={tp} cp={cp} dp={mesh.dp_size} ({mesh.describe()})"
+        where = f"tp={tp} cp={cp}{' sp' if sp else ''} dp={mesh.dp_size} ({mesh.describe()})"
         torch.manual_seed(0)
         serial = ViT(**MODEL)
         state_after_serial = torch.get_rng_state()
         torch.manual_seed(0)
-        par = apply_model_parallel(ViT(**MODEL), mesh)
+        par = apply_model_parallel(ViT(**MODEL), mesh, sequence_parallel=sp)
         if not torch.equal(torch.get_rng_state(), state_after_serial):
             errors.append(f"{where}: building the parallel model used the random generator differently")
         for name, full in full_state(par, mesh).items():  # initialised as the serial model's shards
@@ -226,8 +235,11 @@ def _parity_on_ranks(layouts: list[tuple[int, int]]) -> None:
 
         _close(f"{where} output", out_p.detach(), out_s.detach()[sl], errors)
         # the input gradient: context-parallel ranks each hold the part that flowed through
-        # their tokens (summed here); per-replica mean losses make it dp times the serial one
+        # their tokens (summed here; with sp the tp ranks too); per-replica mean losses make it
+        # dp times the serial one
         gx = M.reduce_from(xp.grad, mesh.group("cp")) / mesh.dp_size
+        if sp:
+            gx = M.reduce_from(gx, mesh.group("tp"))
         _close(f"{where} input gradient", gx, xs.grad[sl], errors)
         # clipping by the global norm, active (the limit is half the norm): every rank must
         # find the serial model's norm, and scale its gradients alike
@@ -243,7 +255,7 @@ def _parity_on_ranks(layouts: list[tuple[int, int]]) -> None:
         raise AssertionError(f"rank {dist.get_rank()}:\n" + "\n".join(errors[:12]))
 
 
-def _mappings_then_parity(layouts: list[tuple[int, int]]) -> None:
+def _mappings_then_parity(layouts: list[tuple[int, ...]]) -> None:
     _mappings_on_ranks()
     _parity_on_ranks(layouts)
 
@@ -251,7 +263,7 @@ def _mappings_then_parity(layouts: list[tuple[int, int]]) -> None:
 def test_mappings_and_tp2_cp2_match_serial_on_two_ranks():
     """One set of 2 ranks (starting ranks is the slow part): the mappings against
     hand-computed values, then the parallel ViT against the serial one for tp=2 and cp=2."""
-    run_ranks(2, _mappings_then_parity, [(2, 1), (1, 2)])
+    run_ranks(2, _mappings_then_parity, [(2, 1), (1, 2), (2, 1, True)])
 
 
 BIG = {"embed_dim": 2048, "depth": 8, "num_heads": 16}  # 402M parameters: 1.6 GB in fp32
@@ -273,7 +285,7 @@ def _build_peak(cfg, run_dir) -> tuple[float, int]:
     return trainer.build_peak_MiB, trainer.n_params
 
 
-def _parity_then_fsdp_build(layouts: list[tuple[int, int]], data_dir: str, out_dir: str) -> None:
+def _parity_then_fsdp_build(layouts: list[tuple[int, ...]], data_dir: str, out_dir: str) -> None:
     """The layouts against serial, then FSDP on 4 ranks building a model of 1.6 GB: built on the
     meta device, each rank allocates only its shards (and one whole parameter at a time), so its
     peak grows by far less than half the model over a tiny model's build."""
@@ -294,8 +306,11 @@ def _parity_then_fsdp_build(layouts: list[tuple[int, int]], data_dir: str, out_d
 
 @pytest.mark.slow
 def test_four_rank_layouts_match_serial_and_fsdp_builds_in_shards(data_dir, tmp_path):
-    # tp=2 x dp=2, tp=2 x cp=2, cp=2 x dp=2 (cp gradients summed inside DDP's comm hook)
-    run_ranks(4, _parity_then_fsdp_build, [(2, 1), (2, 2), (1, 2)], str(data_dir), str(tmp_path))
+    # tp=2 x dp=2, tp=2 x cp=2, cp=2 x dp=2 (cp gradients summed inside DDP's comm hook), and
+    # with sequence parallelism tp=2 x dp=2 (the hook sums part of a bucket over tp) and
+    # tp=2 x cp=2 (tokens split over cp, then over tp; the tag hooks sum over both)
+    run_ranks(4, _parity_then_fsdp_build, [(2, 1), (2, 2), (1, 2), (2, 1, True), (2, 2, True)],
+              str(data_dir), str(tmp_path))
     for rank in range(4):
         print(rank, (tmp_path / f"build_peak_{rank}.txt").read_text())
 
@@ -308,6 +323,22 @@ def test_saved_activation_bytes_counts_each_storage_once():
     nbytes, out = saved_activation_bytes(lambda t: lin(t) + lin(t), x)  # x saved twice, counted once
     assert nbytes == 16 * 8 * 4  # the weight is a parameter, not an activation
     assert out.shape == (16, 4)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({}, "--sequence_parallel splits what tensor parallelism replicates; use it with --tensor_parallel 2"),
+    ({"tensor_parallel": 2, "data_parallel": "fsdp"}, "does not combine with --data_parallel fsdp here"),
+    ({"tensor_parallel": 2, "pipeline_parallel": 2}, "does not combine with --pipeline_parallel here"),
+])
+def test_sequence_parallel_refusals_are_one_line(cfg_factory, flags, message):
+    with pytest.raises(ValueError) as err:
+        cfg_factory(sequence_parallel=True, **flags)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_sequence_parallel_needs_a_token_per_rank(cfg_factory):
+    with pytest.raises(ValueError, match="sequence_parallel needs a token for every tp rank"):
+        check_model(cfg_factory(sequence_parallel=True, tensor_parallel=4, context_parallel=16))
 
 
 def test_config_rejects_a_bad_parallel_order(cfg_factory):

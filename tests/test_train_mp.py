@@ -131,7 +131,8 @@ def test_checkpoint_loads_across_layouts(runs):
 
 @pytest.mark.slow
 def test_resume_tp2_from_a_serial_checkpoint(runs, tmp_path):
-    """A tp=1 checkpoint (train.py, step 6) continues with tp=2 to step 8 exactly as train.py would."""
+    """A tp=1 checkpoint (train.py, step 6) continues with tp=2 and sequence parallelism (the tokens
+    between the tensor-parallel layers split over the 2 ranks) to step 8 exactly as train.py would."""
     import shutil
 
     cfg, serial_dir, _ = runs
@@ -143,12 +144,14 @@ def test_resume_tp2_from_a_serial_checkpoint(runs, tmp_path):
         shutil.copy(serial_dir / "checkpoint.pt", tmp_path / "logs" / "test" / sub / "00" / "checkpoint.pt")
     _run([sys.executable, "train.py", *common])
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-          "train_mp.py", *common, "--tensor_parallel", "2"])
+          "train_mp.py", *common, "--tensor_parallel", "2", "--sequence_parallel"])
     serial = _metrics(tmp_path / "logs" / "test" / "1GPU" / "00")
     tp2 = _metrics(tmp_path / "logs" / "test" / "2GPU_tp2_cp1_dp1" / "00")
     assert [m["step"] for m in tp2] == [m["step"] for m in serial] == [8]
     assert tp2[0]["train_loss"] == pytest.approx(serial[0]["train_loss"], rel=LOSS_RTOL)
     assert tp2[0]["val_loss"] == pytest.approx(serial[0]["val_loss"], rel=LOSS_RTOL)
+    log = (tmp_path / "logs" / "test" / "2GPU_tp2_cp1_dp1" / "00" / "out.log").read_text()
+    assert "sequence parallel: between the tensor-parallel layers this rank holds 16 of the 32 tokens" in log
 
 
 def test_flags_and_layout_errors(cfg_factory, tmp_path, capsys):

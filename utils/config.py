@@ -102,6 +102,10 @@ class Config:
                                   "--row_parallel_size is the SC23 name", "parallelism",
                                aliases=("--row_parallel_size",))
     context_parallel: int = key(1, "ranks that split the sequence of tokens", "parallelism")
+    sequence_parallel: bool = key(False, "with tensor_parallel: the activations between the tensor-"
+                                         "parallel layers (norms, residuals, dropout) split along the "
+                                         "tokens over the tp ranks; all-gather and reduce-scatter "
+                                         "replace the all-reduce", "parallelism")
     pipeline_parallel: int = key(1, "pipeline stages: each rank holds a contiguous part of the "
                                     "transformer blocks and passes activations on", "parallelism")
     pipeline_schedule: str = key("1f1b", "order of the micro-batches' forward and backward passes on "
@@ -197,7 +201,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "stop_check_every", "memory_snapshot", "profile_epoch", "profile_start_step", "profile_num_steps",
     "profile",
     "enable_fused", "enable_jit", "attention_kernel", "tensor_parallel", "context_parallel", "parallel_order",
-    "bucket_cap_mb", "disable_broadcast_buffers", "rendezvous_timeout_s", "collective_timeout_s",
+    "sequence_parallel", "bucket_cap_mb", "disable_broadcast_buffers", "rendezvous_timeout_s", "collective_timeout_s",
     "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",
     "dp_shard", "cpu_offload",
     "pipeline_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",

@@ -68,6 +68,7 @@ def _check_values(cfg: Config) -> None:
                          "scalers would skip different steps); use --amp_mode bf16")
     _check_data_parallel(cfg)
     _check_pipeline(cfg)
+    _check_sequence_parallel(cfg)
     if cfg.bucket_cap_mb <= 0:
         raise ValueError(f"config key 'bucket_cap_mb' must be positive, got {cfg.bucket_cap_mb}")
     _check_schedule(cfg)
@@ -171,6 +172,22 @@ def _check_compression(cfg: Config) -> None:
         raise ValueError(f"--grad_compression {cfg.grad_compression} compresses DDP's gradient "
                          f"all-reduce; it does not combine with {', '.join(other)}: use it with "
                          f"--data_parallel ddp or zero1 alone")
+
+
+def _check_sequence_parallel(cfg: Config) -> None:
+    """Sequence parallelism leaves every replicated parameter with a partial gradient (its tp
+    rank's tokens only), summed over tp by the parameter tags: DDP's comm hook or the tag hooks
+    do it, FSDP's reduction and the pipeline's gradient average do not."""
+    if not cfg.sequence_parallel:
+        return
+    if cfg.tensor_parallel < 2:
+        raise ValueError("--sequence_parallel splits what tensor parallelism replicates; use it with "
+                         "--tensor_parallel 2 or more")
+    if cfg.data_parallel in ("fsdp", "hsdp") or cfg.pipeline_parallel > 1:
+        other = "--pipeline_parallel" if cfg.pipeline_parallel > 1 else f"--data_parallel {cfg.data_parallel}"
+        raise ValueError(f"--sequence_parallel does not combine with {other} here (the replicated "
+                         f"layers' gradients need a sum over tp that it does not do); use it with "
+                         f"--data_parallel ddp or zero1")
 
 
 INTERLEAVED = ("interleaved_1f1b", "zero_bubble")  # schedules with several stages on each rank
