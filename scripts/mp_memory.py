@@ -2,7 +2,8 @@
 """Memory per rank of the tensor/context-parallel ViT, on any device (CPU included).
 
     torchrun --standalone --nproc_per_node 4 scripts/mp_memory.py --config tiny --tensor_parallel 4
-    torchrun --standalone --nproc_per_node 4 scripts/mp_memory.py --config tiny --tensor_parallel 4 --sequence_parallel
+    torchrun --standalone --nproc_per_node 4 scripts/mp_memory.py --config tiny --tensor_parallel 4 \
+        --sequence_parallel
 
 Counts the bytes a rank holds: parameters, gradients, Adam's two moments, and the
 activations autograd saves for backward in one training forward pass (counted with
