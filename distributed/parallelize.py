@@ -67,7 +67,8 @@ def apply_model_parallel(model: ViT, mesh: ParallelMesh, sequence_parallel: bool
     tp_sizes = tp_sequence_sizes(model.num_tokens, mesh) if sp else None
     for block in model.blocks.values():
         block.attn = DistributedAttention(block.attn, mesh, sizes, tp_sizes)
-        block.mlp = DistributedMLP(block.mlp, mesh, tp_sizes)
+        if hasattr(block.mlp, "fc1"):  # a mixture of experts stays whole on every tp rank (replicated)
+            block.mlp = DistributedMLP(block.mlp, mesh, tp_sizes)
     splits, gathers = [], []  # (B, N, D) -> cp slice -> its tp part, and back in reverse
     if mesh.size("cp") > 1:
         splits.append(SequenceSplit(sizes, mesh, "cp"))

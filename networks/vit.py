@@ -87,12 +87,18 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, dropout: float) -> None:
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, dropout: float,
+                 experts: dict | None = None) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = Attention(dim, num_heads, dropout)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = MLP(dim, int(dim * mlp_ratio), dropout)
+        if experts:  # a mixture of experts in place of the MLP (networks/moe.py)
+            from networks.moe import MoEMLP
+
+            self.mlp = MoEMLP(dim, int(dim * mlp_ratio), dropout=dropout, **experts)
+        else:
+            self.mlp = MLP(dim, int(dim * mlp_ratio), dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -118,6 +124,10 @@ class ViT(nn.Module):
         num_heads: int,
         mlp_ratio: float = 4.0,
         dropout: float = 0.0,
+        num_experts: int = 0,
+        moe_top_k: int = 1,
+        moe_every: int = 2,
+        moe_capacity_factor: float = 0.0,
     ) -> None:
         super().__init__()
         h, w = img_size
@@ -132,8 +142,13 @@ class ViT(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_tokens, embed_dim))
         self.pos_drop = nn.Dropout(dropout)
         self.seq_split = nn.Identity()
+        # with num_experts > 0, every moe_every-th block (the last of each group of moe_every)
+        # has a mixture of experts instead of its MLP
+        experts = {"num_experts": num_experts, "top_k": moe_top_k, "capacity_factor": moe_capacity_factor}
         self.blocks = nn.ModuleDict(
-            {str(i): Block(embed_dim, num_heads, mlp_ratio, dropout) for i in range(depth)})
+            {str(i): Block(embed_dim, num_heads, mlp_ratio, dropout,
+                           experts if num_experts and (i + 1) % moe_every == 0 else None)
+             for i in range(depth)})
         self.norm = nn.LayerNorm(embed_dim)
         self.head = nn.Linear(embed_dim, out_channels * patch_size * patch_size)
         self.seq_gather = nn.Identity()
@@ -163,7 +178,8 @@ class ViT(nn.Module):
                     # model), and stored head-major
                     w = blocks_to_head_major(w, self.get_submodule(mod_name.removesuffix(".qkv")).num_heads)
                 yield f"{prefix}weight", w
-                yield f"{prefix}bias", torch.zeros(m.bias.shape)
+                if m.bias is not None:  # (a mixture of experts' router has none)
+                    yield f"{prefix}bias", torch.zeros(m.bias.shape)
             elif isinstance(m, nn.LayerNorm):
                 yield f"{prefix}weight", torch.ones(m.weight.shape)
                 yield f"{prefix}bias", torch.zeros(m.bias.shape)
@@ -207,6 +223,10 @@ def build_vit(cfg: Config) -> ViT:
         num_heads=cfg.num_heads,
         mlp_ratio=cfg.mlp_ratio,
         dropout=cfg.dropout,
+        num_experts=cfg.num_experts,
+        moe_top_k=cfg.moe_top_k,
+        moe_every=cfg.moe_every,
+        moe_capacity_factor=cfg.moe_capacity_factor,
     )
 
 

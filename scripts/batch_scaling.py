@@ -106,7 +106,9 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(1, len(optimizers), figsize=(5.5 * len(optimizers), 4), sharey=True,
                              constrained_layout=True, squeeze=False)
     finite = [r["val_loss"] for r in runs if math.isfinite(r["val_loss"])]
-    top = max(finite) * 1.15 if finite else 1.0
+    top = max(finite) * 1.5 if finite else 1.0
+    bottom = min(finite) / 1.5 if finite else 0.01
+    batches = sorted({r["batch"] for r in runs})
     for ax, name in zip(axes[0], optimizers):
         for rule in RULES:
             mine = sorted((r for r in runs if r["optimizer"] == name and r["rule"] == rule),
@@ -120,9 +122,12 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
                 if not math.isfinite(r["val_loss"]):
                     ax.plot([r["batch"]], [top], "x", color=COLOURS[rule], markersize=10)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_yscale("log")  # the losses span two orders of magnitude
         ax.set_xlabel("global batch (same number of samples)")
         ax.set_title(name)
-        ax.set_ylim(0, top * 1.02)
+        ax.set_ylim(bottom, top * 1.1)
+        ax.grid(True, which="both", alpha=0.3)
         ax.legend(title="learning rate")
     axes[0][0].set_ylabel("final validation loss")
     fig.suptitle(title)

@@ -198,17 +198,20 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, errors: list[str], 
 
 
 def _parity_on_ranks(layouts: list[tuple[int, ...]]) -> None:
-    """Each layout (tp, cp) or (tp, cp, sequence parallel) against the serial model."""
+    """Each layout (tp, cp), (tp, cp, sequence parallel) or (tp, cp, sp, experts) against the
+    serial model; with experts, the second block's MLP is a top-2 mixture of 4 (replicated)."""
     errors: list[str] = []
     for tp, cp, *rest in layouts:
         sp = bool(rest and rest[0])
+        model = {**MODEL, **({"num_experts": 4, "moe_top_k": 2} if rest[1:] and rest[1] else {})}
         mesh = build_mesh({"tp": tp, "cp": cp})
-        where = f"tp={tp} cp={cp}{' sp' if sp else ''} dp={mesh.dp_size} ({mesh.describe()})"
+        where = (f"tp={tp} cp={cp}{' sp' if sp else ''}{' moe' if 'num_experts' in model else ''} "
+                 f"dp={mesh.dp_size} ({mesh.describe()})")
         torch.manual_seed(0)
-        serial = ViT(**MODEL)
+        serial = ViT(**model)
         state_after_serial = torch.get_rng_state()
         torch.manual_seed(0)
-        par = apply_model_parallel(ViT(**MODEL), mesh, sequence_parallel=sp)
+        par = apply_model_parallel(ViT(**model), mesh, sequence_parallel=sp)
         if not torch.equal(torch.get_rng_state(), state_after_serial):
             errors.append(f"{where}: building the parallel model used the random generator differently")
         for name, full in full_state(par, mesh).items():  # initialised as the serial model's shards
@@ -263,7 +266,7 @@ def _mappings_then_parity(layouts: list[tuple[int, ...]]) -> None:
 def test_mappings_and_tp2_cp2_match_serial_on_two_ranks():
     """One set of 2 ranks (starting ranks is the slow part): the mappings against
     hand-computed values, then the parallel ViT against the serial one for tp=2 and cp=2."""
-    run_ranks(2, _mappings_then_parity, [(2, 1), (1, 2), (2, 1, True)])
+    run_ranks(2, _mappings_then_parity, [(2, 1), (1, 2), (2, 1, True), (2, 1, False, True)])
 
 
 BIG = {"embed_dim": 2048, "depth": 8, "num_heads": 16}  # 402M parameters: 1.6 GB in fp32

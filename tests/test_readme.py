@@ -230,6 +230,11 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
     "comm_overlap.py": lambda runner: [  # one step of each variant, one DDP bucket size
         "--steps", "1", "--warmup", "0", "--bucket_mb", "1"],
     "compare_runs.py": lambda runner: [],  # the runs of the commands before it
+    "lr_range_test.py": lambda runner: [  # 12 steps from 1e-6 to 1 (diverged or not, it suggests)
+        "--steps", "12", "--data_dir", str(runner.data_for("tiny")), "--expdir", str(runner.tmp / "logs")],
+    "batch_scaling.py": lambda runner: [  # batch 16 as 2 micro-batches of 8 against 8, one rule
+        "--batches", "8,16", "--micro_batch", "8", "--rules", "sqrt", "--samples", "16",
+        "--data_dir", str(runner.data_for("tiny")), "--expdir", str(runner.tmp / "logs")],
     "hang_demo.py": lambda runner: ["--timeout", "1"],  # both cases; it fails if no rank is named
     "benchmark.py": lambda runner: [  # one rung, one step of batch 2 (the full ladder: test_ladder.py)
         "--data_dir", str(runner.data_for("small")), "--rungs", "baseline", "--steps", "1", "--batch", "2",

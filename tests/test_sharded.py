@@ -65,6 +65,20 @@ def serial_clipped(data_dir, test_yaml, tmp_path_factory) -> list[dict]:
     return metrics(run_dir(expdir, 1))
 
 
+# a mixture of experts in every block, top-2, with a capacity that drops tokens: its capacity
+# and balancing loss are per sample, so 2 DDP ranks of 2 micro-batches each compute the serial run
+MOE = {"num_experts": 4, "moe_top_k": 2, "moe_every": 1, "moe_capacity_factor": 0.75, "moe_aux_weight": 0.1}
+
+
+@pytest.fixture(scope="module")
+def serial_moe(data_dir, test_yaml, tmp_path_factory) -> list[dict]:
+    expdir = tmp_path_factory.mktemp("serial_moe")
+    ok(run(1, args(test_yaml, data_dir, expdir, **MOE)))
+    logged = metrics(run_dir(expdir, 1))
+    assert all(layer[4] > 0 for m in logged for layer in m["moe"])  # the capacity dropped tokens
+    return logged
+
+
 def test_clipping_acts_on_every_step(serial_clipped):
     """In the clipped reference the gradient norm is above the limit on the steps, so the
     clipped layouts below clip too. (Adam barely notices gradients scaled by a steady factor,
@@ -103,6 +117,8 @@ VARIANTS = {  # name: (ranks, flags, model parallel (train_mp.py))
     # norm sums over a sharding group only)
     "hsdp_offload_clipped_lamb": (4, {"data_parallel": "hsdp", "dp_shard": 2, "cpu_offload": True,
                                       **CLIP}, False),
+    # experts replicated on 2 DDP ranks, each batch as 2 micro-batches
+    "ddp2_moe_accumulation": (2, {"grad_accum_steps": 2, **MOE}, False),
 }
 
 
@@ -115,7 +131,9 @@ def flags_to_args(flags: dict) -> tuple[dict, list[str]]:
 @pytest.mark.parametrize("name", VARIANTS)
 def test_layout_logs_the_serial_losses(name, data_dir, test_yaml, tmp_path, request):
     ranks, flags, mp = VARIANTS[name]
-    serial = request.getfixturevalue("serial_clipped" if "grad_clip_norm" in flags else "serial")
+    reference = ("serial_clipped" if "grad_clip_norm" in flags
+                 else "serial_moe" if "num_experts" in flags else "serial")
+    serial = request.getfixturevalue(reference)
     valued, switches = flags_to_args(flags)
     env = {"DDP_TEST_MODEL_PARALLEL": "1"} if mp else {}
     ok(run(ranks, args(test_yaml, data_dir, tmp_path, **valued) + switches, timeout=240, **env))

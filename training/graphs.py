@@ -57,6 +57,10 @@ class GraphTrainer(Trainer):
             raise ValueError("train_graph.py does not compress gradients (DDP's communication hook "
                              "runs Python callbacks, which a CUDA graph cannot capture); run "
                              "--grad_compression with train.py")
+        if cfg.num_experts:  # tokens per expert decide tensor shapes: not capturable
+            raise ValueError("train_graph.py does not train a mixture of experts (how many tokens each "
+                             "expert gets changes every step, and a CUDA graph replays fixed shapes); run "
+                             "--num_experts with train.py")
         if cfg.data_parallel != "ddp" or cfg.grad_accum_steps > 1:
             raise ValueError("train_graph.py captures one plain DDP step: use --data_parallel ddp and "
                              "--grad_accum_steps 1 (train.py runs zero1, fsdp and accumulation)")

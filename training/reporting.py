@@ -131,6 +131,26 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer,
     return report
 
 
+def log_experts(writer: SummaryWriter | None, step: int, stats: torch.Tensor) -> None:
+    """A mixture of experts, one point per training step of the epoch: each MoE layer's share of
+    the token assignments per expert, the share dropped by the capacity, and its balancing loss.
+    ``stats``: (steps, layers, experts + 2), the epoch's last step taken at ``step``."""
+    first = step - stats.shape[0] + 1
+    mean = stats.mean(dim=0)
+    for layer in range(stats.shape[1]):
+        log.info("  MoE layer %d: tokens per expert %s, dropped %.3f, balancing loss %.4f", layer,
+                 " ".join(f"{v:.3f}" for v in mean[layer, :-2].tolist()), mean[layer, -2].item(),
+                 mean[layer, -1].item())
+    if writer is None:
+        return
+    for i, per_layer in enumerate(stats.tolist()):
+        for layer, values in enumerate(per_layer):
+            writer.add_scalars(f"MoE/layer {layer} tokens per expert",
+                               {f"expert {e}": v for e, v in enumerate(values[:-2])}, first + i)
+            writer.add_scalar(f"MoE/layer {layer} dropped", values[-2], first + i)
+            writer.add_scalar(f"MoE/layer {layer} balancing loss", values[-1], first + i)
+
+
 def log_memory(writer: SummaryWriter | None, step: int, mem: dict[str, float],
                device: torch.device) -> None:
     log.info("  Memory per rank (MiB): %s", ", ".join(f"{k[:-4]} {v:.1f}" for k, v in mem.items()))

@@ -93,6 +93,9 @@ class Trainer:
         self.n_params = 0  # of the whole (serial) model, set by build_model
         self.model = self.build_model()
         self.raw_model = unwrap(self.model)
+        # mixture-of-experts layers (networks/moe.py): their balancing loss joins the training loss
+        self.moe_layers = [m for m in self.raw_model.modules() if hasattr(m, "aux_loss")]
+        self.moe_stats: list[torch.Tensor] = []  # per step: (layers, experts + 2), see log_epoch
         self.amp_mode = sharding.autocast_mode(cfg, ctx.mesh)  # FSDP's bf16 is its own policy
         self.attention_kernel = self.choose_attention_kernel()  # a resumed run keeps its own
         # FSDP alone writes sharded checkpoints; with tp its tensors are tp slices, consolidated
@@ -194,12 +197,22 @@ class Trainer:
                 self.mark("forward")
                 with dev.nvtx_range("forward"):
                     loss = self.forward_loss(x, y) / n
+                    objective = loss + self.balancing_loss() / n  # the loss alone is logged
                 self.mark("backward")
                 with dev.nvtx_range("backward"):
-                    (self.scaler.scale(loss) if self.scaler else loss).backward()
+                    (self.scaler.scale(objective) if self.scaler else objective).backward()
             total += loss.detach()
         self.optimizer_step()
+        if self.moe_layers:  # what each expert got in the step's (last) micro-batch, for the logs
+            self.moe_stats.append(torch.stack([torch.cat([m.stats, m.aux_loss.detach().reshape(1).cpu()])
+                                               for m in self.moe_layers]))
         return total
+
+    def balancing_loss(self) -> torch.Tensor | float:
+        """The mixture of experts' load-balancing loss of the last forward, weighted (0 without experts)."""
+        if not self.moe_layers:
+            return 0.0
+        return self.cfg.moe_aux_weight * sum(m.aux_loss for m in self.moe_layers)
 
     def optimizer_step(self) -> None:
         self.mark("optimizer step")
@@ -329,6 +342,10 @@ class Trainer:
         self.grad_norms = []
         extra = {"build_peak_MiB": self.build_peak_MiB} if self.build_peak_MiB is not None else {}
         self.build_peak_MiB = None  # in this process's first record only
+        experts = torch.stack(self.moe_stats) if self.moe_stats else None  # (steps, layers, E + 2)
+        self.moe_stats = []
+        if experts is not None:  # per layer: each expert's share of the assignments, dropped, aux loss
+            extra["moe"] = experts.mean(dim=0).tolist()
         sent = gradient_bytes(self.model, steps)  # DDP's gradient all-reduce (compressed or not)
         if sent is not None and steps:
             extra["grad_comm_bytes_per_step"] = sent / steps
@@ -336,6 +353,8 @@ class Trainer:
                             train_loss, val, val_seconds, self.optimizer.param_groups[0]["lr"], memory,
                             norms, extra)
         reporting.log_memory(self.writer, self.step, memory, self.device)
+        if experts is not None:
+            reporting.log_experts(self.writer, self.step, experts)
 
     def finish_epoch_loss(self) -> float:
         """Average training loss of the epoch over all data-parallel ranks (one host sync)."""

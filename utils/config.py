@@ -52,6 +52,14 @@ class Config:
     num_heads: int = key(8, "attention heads per block", "model")
     mlp_ratio: float = key(4.0, "MLP hidden width / embed_dim", "model")
     dropout: float = key(0.0, "dropout probability", "model")
+    num_experts: int = key(0, "mixture of experts: expert MLPs in each MoE block (0: every block keeps "
+                              "its dense MLP)", "model")
+    moe_top_k: int = key(1, "experts each token is sent to (1: Switch, 2: GShard)", "model")
+    moe_every: int = key(2, "every moe_every-th block has a mixture of experts", "model")
+    moe_capacity_factor: float = key(0.0, "tokens an expert takes from a sample, as a multiple of an "
+                                          "even share (0: no limit, nothing dropped)", "model")
+    moe_aux_weight: float = key(0.01, "weight of the load-balancing loss added to the training loss",
+                                "model")
     n_in_channels: int = key(20, "input variables (ERA5 channels)", "model")
     n_out_channels: int = key(20, "predicted variables (the first n of the input)", "model")
     # data

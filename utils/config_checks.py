@@ -69,6 +69,7 @@ def _check_values(cfg: Config) -> None:
     _check_data_parallel(cfg)
     _check_pipeline(cfg)
     _check_sequence_parallel(cfg)
+    _check_experts(cfg)
     if cfg.bucket_cap_mb <= 0:
         raise ValueError(f"config key 'bucket_cap_mb' must be positive, got {cfg.bucket_cap_mb}")
     _check_schedule(cfg)
@@ -188,6 +189,28 @@ def _check_sequence_parallel(cfg: Config) -> None:
         raise ValueError(f"--sequence_parallel does not combine with {other} here (the replicated "
                          f"layers' gradients need a sum over tp that it does not do); use it with "
                          f"--data_parallel ddp or zero1")
+
+
+def _check_experts(cfg: Config) -> None:
+    """A mixture of experts computes its capacity and balancing statistics per sample: a sample's
+    tokens must be on one rank (no context or sequence parallelism), and its auxiliary loss
+    must reach the loss (no pipeline stages, which see only their own blocks)."""
+    if cfg.num_experts < 0 or cfg.moe_every < 1 or cfg.moe_capacity_factor < 0 or cfg.moe_aux_weight < 0:
+        raise ValueError(f"config keys num_experts (0 or more), moe_every (1 or more), moe_capacity_factor "
+                         f"and moe_aux_weight (0 or more) are {cfg.num_experts}, {cfg.moe_every}, "
+                         f"{cfg.moe_capacity_factor} and {cfg.moe_aux_weight}")
+    if not cfg.num_experts:
+        return
+    if not 1 <= cfg.moe_top_k <= min(2, cfg.num_experts):
+        raise ValueError(f"moe_top_k must be 1 or 2 and at most num_experts ({cfg.num_experts}), got "
+                         f"{cfg.moe_top_k}")
+    other = [f"--{name}" for name in ("context_parallel", "pipeline_parallel") if getattr(cfg, name) > 1]
+    if cfg.sequence_parallel:
+        other.append("--sequence_parallel")
+    if other:
+        raise ValueError(f"--num_experts does not combine with {', '.join(other)} here (its capacity and "
+                         f"balancing are computed over each sample's tokens on one rank); use data or "
+                         f"tensor parallelism")
 
 
 INTERLEAVED = ("interleaved_1f1b", "zero_bubble")  # schedules with several stages on each rank

@@ -1,0 +1,155 @@
+"""The mixture of experts (networks/moe.py): routing, gates, capacity and the balancing loss
+against their definitions written out here; statistics per sample (what makes every
+layout that splits the batch equal to the serial model); training with it. Data parallelism
+and accumulation with experts against the serial run: test_sharded.py (``ddp2_moe_...``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from networks.moe import MoEMLP
+
+DIM, HIDDEN, EXPERTS = 8, 16, 4
+
+
+def make(top_k: int = 1, capacity_factor: float = 0.0) -> MoEMLP:
+    torch.manual_seed(0)
+    moe = MoEMLP(DIM, HIDDEN, EXPERTS, top_k, capacity_factor)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.5)
+    return moe
+
+
+def by_hand(moe: MoEMLP, x: torch.Tensor) -> torch.Tensor:
+    """Every token through its top-k experts, one token at a time, nothing dropped."""
+    out = torch.zeros_like(x)
+    for b in range(x.shape[0]):
+        for n in range(x.shape[1]):
+            probs = torch.softmax(moe.router(x[b, n]), dim=-1)
+            gates, chosen = probs.topk(moe.top_k)
+            if moe.top_k == 2:
+                gates = gates / gates.sum()
+            for g, e in zip(gates, chosen):
+                out[b, n] += g * moe.experts[str(int(e))](x[b, n : n + 1])[0]
+    return out
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_each_token_goes_to_its_top_k_experts_weighted_by_their_gates(top_k):
+    moe = make(top_k)
+    x = torch.randn(3, 10, DIM)
+    torch.testing.assert_close(moe(x), by_hand(moe, x), rtol=1e-5, atol=1e-6)
+    assert moe.stats[-1] == 0  # dropless: nothing dropped
+    assert moe.stats[:-1].sum() == pytest.approx(1.0)
+
+
+def test_every_parameter_gets_a_gradient_even_an_idle_experts():
+    """DDP needs a gradient for every parameter each step: an expert that got no token must still
+    produce one (zeros)."""
+    moe = make()
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0] = 10.0  # every token's first choice: expert 0 (positive inputs)
+    x = torch.rand(2, 6, DIM)
+    (moe(x).sum() + moe.aux_loss).backward()
+    assert moe.stats[0] == 1.0
+    assert all(p.grad is not None for p in moe.parameters())
+    assert moe.experts["3"].fc1.weight.grad.abs().sum() == 0
+
+
+def test_capacity_drops_the_assignments_beyond_it_per_sample_first_choices_first():
+    """Every token prefers expert 0, then expert 1. With capacity factor 1 and top-2, an expert
+    takes ceil(1 x 6 x 2 / 4) = 3 assignments of each sample: expert 0 serves the first 3 tokens'
+    first choices, expert 1 the first 3 tokens' second choices; the others are dropped."""
+    moe = make(top_k=2, capacity_factor=1.0)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0], moe.router.weight[1] = 2.0, 1.0
+    x = torch.rand(2, 6, DIM) + 0.1
+    assert moe.capacity(6) == 3
+    experts, gates, kept = moe.route(x)
+    assert (experts[..., 0] == 0).all() and (experts[..., 1] == 1).all()
+    want = torch.tensor([True] * 3 + [False] * 3)
+    assert (kept[..., 0] == want).all() and (kept[..., 1] == want).all()  # in every sample
+    out = moe(x)
+    assert (out[:, 3:] == 0).all() and (out[:, :3] != 0).all()
+    assert moe.stats.tolist() == pytest.approx([0.25, 0.25, 0.0, 0.0, 0.5])
+    # a token's second choice waits behind every first choice of its expert: expert 1 full of
+    # first choices takes no second choice at all
+    with torch.no_grad():
+        moe.router.weight[1] = moe.router.weight[0] + 0.01 * torch.arange(DIM)  # nearly tied
+    experts, _, kept = moe.route(x)
+    firsts = (experts[..., 0] == 1).sum(dim=1)
+    assert (firsts >= 3).all() and not kept[..., 1][experts[..., 1] == 1].any()
+
+
+def test_balancing_loss_is_its_formula():
+    moe = make(top_k=2)
+    x = torch.randn(3, 10, DIM)
+    moe(x)
+    probs = torch.softmax(moe.router(x), dim=-1)
+    first = torch.nn.functional.one_hot(probs.argmax(-1), EXPERTS).float()
+    want = (EXPERTS * (first.mean(1) * probs.mean(1)).sum(-1)).mean()
+    torch.testing.assert_close(moe.aux_loss, want)
+    with torch.no_grad():  # a uniform router: f sums to 1 and P = 1/E, the loss is exactly 1
+        moe.router.weight.zero_()
+    moe(x)
+    assert moe.aux_loss.item() == pytest.approx(1.0)
+
+
+def test_statistics_are_per_sample_so_splitting_the_batch_changes_nothing():
+    """Outputs and the balancing loss of a batch equal those of its halves (the loss: their mean),
+    with a capacity that drops: what data parallelism and accumulation rely on."""
+    moe = make(top_k=2, capacity_factor=0.5)
+    x = torch.randn(4, 10, DIM)
+    whole = moe(x)
+    aux = moe.aux_loss
+    assert moe.stats[-1] > 0  # the capacity did drop assignments
+    halves = [moe(part) for part in x.chunk(2)]
+    torch.testing.assert_close(whole, torch.cat(halves))
+    moe(x[:2])
+    first = moe.aux_loss
+    moe(x[2:])
+    torch.testing.assert_close(aux, (first + moe.aux_loss) / 2)
+
+
+def test_the_vit_with_experts_trains_and_logs_them(cfg_factory, tmp_path):
+    """Every second block gets the experts; the trainer adds the weighted balancing loss to what
+    it differentiates (not to the logged loss) and logs each expert's share per step."""
+    import json
+
+    from tests.test_reliability import make_trainer
+
+    cfg = cfg_factory(num_experts=4, moe_top_k=2, moe_capacity_factor=1.0, moe_aux_weight=0.5,
+                      limit_nsamples=8, num_iters=2, checkpoint_every=0)
+    trainer = make_trainer(cfg, tmp_path)
+    kinds = [type(b.mlp).__name__ for b in trainer.raw_model.blocks.values()]
+    assert kinds == ["MLP", "MoEMLP"] * (cfg.depth // 2)
+    inp, tar = next(iter(trainer.train_data))
+    trainer.model.zero_grad()
+    loss = trainer.forward_loss(inp, tar)
+    router = trainer.moe_layers[0].router.weight
+    plain = torch.autograd.grad(loss, router, retain_graph=True)[0]
+    with_aux = torch.autograd.grad(loss + trainer.balancing_loss(), router)[0]
+    assert not torch.allclose(plain, with_aux)  # the balancing loss reaches the router
+    trainer.fit()
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    layers = record["moe"]
+    assert len(layers) == cfg.depth // 2 and all(len(v) == 4 + 2 for v in layers)
+    assert all(sum(v[:4]) + v[4] == pytest.approx(1.0) and math.isfinite(v[5]) for v in layers)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"num_experts": 4, "moe_top_k": 3}, "moe_top_k must be 1 or 2"),
+    ({"num_experts": -1}, "num_experts (0 or more)"),
+    ({"num_experts": 4, "context_parallel": 2}, "--num_experts does not combine with --context_parallel"),
+    ({"num_experts": 4, "pipeline_parallel": 2}, "--num_experts does not combine with --pipeline_parallel"),
+])
+def test_bad_expert_settings_are_one_line(cfg_factory, flags, message):
+    with pytest.raises(ValueError) as err:
+        cfg_factory(**flags)
+    assert message in str(err.value) and "\n" not in str(err.value)
