@@ -12,6 +12,7 @@ also runs on one process without a process group.
 | gather_from      | all-gather the slices        | keep this rank's slice                |
 | gather_sequence  | all-gather the slices        | reduce-scatter: sum, keep own slice   |
 | reduce_scatter_to| reduce-scatter               | all-gather the slices                 |
+| all_to_all       | rows i..j to each rank       | the reverse all-to-all                |
 
 Slices may be uneven: ``sizes`` lists every rank's length along ``dim`` (default: as even
 as possible, the first ``n % ranks`` ranks one longer, see :func:`split_sizes`).
@@ -158,6 +159,27 @@ class _ReduceScatterTo(torch.autograd.Function):
         return all_gather_along(grad, ctx.dim, ctx.group, ctx.sizes), None, None, None
 
 
+def _all_to_all(x: torch.Tensor, group, out_splits: list[int] | None,
+                in_splits: list[int] | None) -> torch.Tensor:
+    rows = sum(out_splits) if out_splits is not None else x.shape[0]
+    out = x.new_empty((rows, *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        return _all_to_all(x, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # the gradient of what a rank received goes back to the rank that sent it: the same
+        # collective with the splits swapped
+        return _all_to_all(grad, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
+
+
 @torch.compiler.disable
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
     """Enter a tensor-parallel region. Forward: identity. Backward: all-reduce (sum) the
@@ -209,3 +231,16 @@ def reduce_scatter_to(x: torch.Tensor, dim: int, group, sizes: list[int] | None 
     if _world(group) == 1:
         return x
     return _ReduceScatterTo.apply(x, dim, group, _sizes(x, dim, group, sizes, total=True))
+
+
+@torch.compiler.disable
+def all_to_all(x: torch.Tensor, group, out_splits: list[int] | None = None,
+               in_splits: list[int] | None = None) -> torch.Tensor:
+    """Expert parallelism's exchange. Forward: rank r sends rows ``in_splits[s]`` of ``x`` (in
+    order) to each rank s, and receives ``out_splits[s]`` rows from each s, stacked in rank
+    order (no splits: equal parts). Backward: the reverse all-to-all, each row's gradient back
+    to the rank it came from. (torch has the same, with autograd, as
+    ``torch.distributed.nn.functional.all_to_all_single``.)"""
+    if _world(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, out_splits, in_splits)

@@ -143,6 +143,7 @@ class ParallelMesh:
     coords: dict[str, int] = field(default_factory=dict)
     groups: dict[str, Any] = field(default_factory=dict)
     device_mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh; None for one process
+    expert_parallel: int = 1  # ranks of a dp group that split the experts (distributed/experts.py)
 
     def size(self, name: str) -> int:
         return self.sizes.get(name, 1)

@@ -6,7 +6,8 @@ starts from the same weights. :func:`parallelize` then transforms it, always in 
 1. tensor and context parallel (:func:`apply_model_parallel`): each block's attention and
    MLP are swapped for the Column/Row-parallel versions, which keep this rank's shards of
    the serial weights; the token slots split and gather the sequence. Parameters keep
-   their serial names and get tags that say how they are split.
+   their serial names and get tags that say how they are split. Then expert parallel
+   (distributed/experts.py): each mixture of experts keeps this rank's experts.
 2. activation checkpointing (``activation_checkpointing``): the chosen blocks keep only their
    input for backward and recompute the rest (non-reentrant ``torch.utils.checkpoint``, which
    also replays the dropout masks, so gradients are those of the plain model).
@@ -167,6 +168,10 @@ def parallelize(model: ViT, mesh: ParallelMesh, cfg: Config, device: torch.devic
     allocated until the model is split, then each rank allocates its own part (materialize)."""
     meta = initial_values is not None
     model = apply_model_parallel(model, mesh, cfg.sequence_parallel)
+    if cfg.expert_parallel > 1:  # imported only then: the experts split over data-parallel ranks
+        from distributed.experts import apply_expert_parallel
+
+        model = apply_expert_parallel(model, mesh, cfg.expert_parallel)
     if not meta:
         model = model.to(device)
     model = apply_activation_checkpointing(model, cfg.activation_checkpointing)

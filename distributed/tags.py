@@ -40,10 +40,12 @@ from utils.config import Config
 class ParamSpec:
     shard_dim: int | None = None  # split over the tp group along this dim; None = replicated
     grad_sum: tuple[str, ...] = ()  # mesh dimensions whose ranks' gradients are summed
+    expert: bool = False  # an expert of this rank's ep block: averaged over "ep_replicas", not dp
 
 
-def tag(p: nn.Parameter, shard_dim: int | None = None, grad_sum: tuple[str, ...] = ()) -> nn.Parameter:
-    p.mp_spec = ParamSpec(shard_dim, grad_sum)
+def tag(p: nn.Parameter, shard_dim: int | None = None, grad_sum: tuple[str, ...] = (),
+        expert: bool = False) -> nn.Parameter:
+    p.mp_spec = ParamSpec(shard_dim, grad_sum, expert)
     return p
 
 
@@ -59,11 +61,11 @@ def tag_model(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool = Fa
     for p in model.parameters():
         shard_dim = spec(p).shard_dim
         tp = ("tp",) if sequence_parallel and shard_dim is None else ()
-        tag(p, shard_dim, tp + cp)
+        tag(p, shard_dim, tp + cp, spec(p).expert)
 
 
 def needs_grad_sum(model: nn.Module) -> bool:
-    return any(spec(p).grad_sum for p in model.parameters())
+    return any(spec(p).grad_sum or spec(p).expert for p in model.parameters())
 
 
 def install_grad_sum_hooks(model: nn.Module, mesh: ParallelMesh) -> None:
@@ -96,32 +98,49 @@ def ddp_comm_hook(mesh: ParallelMesh):
     # no annotations: DDP inspects them, and `from __future__ import annotations` makes them strings
     def hook(state, bucket):
         buffer = bucket.buffer()
-        # the bucket's parameters by the dimensions their gradients are summed over: all the
-        # same under cp (one collective for the bucket); with sequence parallelism the
+        # the bucket's gradients (views of its buffer) by the dimensions they are summed over:
+        # all the same under cp (one collective for the bucket); with sequence parallelism the
         # replicated ones also over tp (one more collective for their part of the bucket)
-        parts: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        sums: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        experts: list[torch.Tensor] = []  # expert parallel: averaged over the expert replicas
+        others: list[torch.Tensor] = []
         offset = 0
         for p in bucket.parameters():  # the buffer holds their gradients in this order
-            parts.setdefault(spec(p).grad_sum, []).append(buffer[offset:offset + p.numel()])
+            view = buffer[offset:offset + p.numel()]
             offset += p.numel()
-        for dims, views in parts.items():
+            sums.setdefault(spec(p).grad_sum, []).append(view)
+            (experts if spec(p).expert else others).append(view)
+        for dims, views in sums.items():
             for name in dims:
-                if mesh.size(name) == 1:
-                    continue
-                if len(parts) == 1:
-                    dist.all_reduce(buffer, group=mesh.group(name))
-                    continue
-                flat = torch.cat(views)
-                dist.all_reduce(flat, group=mesh.group(name))
-                start = 0
-                for v in views:  # back into the bucket, where DDP reads the result
-                    v.copy_(flat[start:start + v.numel()])
-                    start += v.numel()
-        buffer.div_(mesh.dp_size)
-        work = dist.all_reduce(buffer, group=mesh.dp_group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+                if mesh.size(name) > 1:
+                    _all_reduce_views(views if len(sums) > 1 else [buffer], mesh.group(name))
+        buffer.div_(mesh.dp_size)  # the mean over every dp rank's samples
+        if not experts:
+            work = dist.all_reduce(buffer, group=mesh.dp_group, async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0])
+        # an expert's gradient already holds the tokens of its whole ep block (the all-to-all's
+        # backward brought them): summed over the blocks, the ranks holding the same experts
+        _all_reduce_views(experts, mesh.group("ep_replicas"))
+        if others:
+            _all_reduce_views(others, mesh.dp_group)
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
 
     return hook
+
+
+def _all_reduce_views(views: list[torch.Tensor], group) -> None:
+    """Sum tensors (views into a DDP bucket) over ``group`` in one collective, in place."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat(views) if len(views) > 1 else views[0]
+    dist.all_reduce(flat, group=group)
+    if len(views) > 1:
+        start = 0
+        for v in views:  # back into the bucket, where DDP reads the result
+            v.copy_(flat[start:start + v.numel()])
+            start += v.numel()
 
 
 def wrap_data_parallel(model: nn.Module, mesh: ParallelMesh, device: torch.device,
@@ -137,6 +156,8 @@ def wrap_data_parallel(model: nn.Module, mesh: ParallelMesh, device: torch.devic
             **compat.ddp_buffer_sync(not cfg.disable_broadcast_buffers),
             "gradient_as_bucket_view": True,
         }
+        if any(spec(p).expert for p in model.parameters()):
+            options["init_sync"] = False  # no broadcast from rank 0: the ranks hold different experts
         ddp = DistributedDataParallel(model, device_ids=ids, process_group=mesh.dp_group, **options)
         if needs_grad_sum(model):
             ddp.register_comm_hook(None, ddp_comm_hook(mesh))

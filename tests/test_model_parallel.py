@@ -145,6 +145,26 @@ def _mappings_on_ranks() -> None:
     _check("reduce_scatter_to forward", y.detach(), [[10.0, 12.0, 14.0], [16.0, 18.0]][r])
     _check("reduce_scatter_to backward (all-gather)", x.grad, [1.0, 1.0, 1.0, 2.0, 2.0])
 
+    # all-to-all, uneven: rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 3 to rank 0
+    # and 1 to itself. Backward: each row's gradient goes back where the row came from.
+    send = [[1, 2], [3, 1]][r]
+    recv = [send_r[r] for send_r in ([1, 2], [3, 1])]
+    x = (torch.arange(float(sum(send))) + 10 * r).unsqueeze(1).requires_grad_()
+    y = M.all_to_all(x, group, recv, send)
+    (y * c * torch.arange(1.0, y.shape[0] + 1).unsqueeze(1)).sum().backward()
+    _check("all_to_all forward", y.detach().flatten(), [[0.0, 10.0, 11.0, 12.0], [1.0, 2.0, 13.0]][r])
+    # rank 0's rows went to: itself (weight 1 x 1), rank 1 (weights 2 x 1, 2 x 2); rank 1's rows
+    # to rank 0 (weights 1 x 2, 1 x 3, 1 x 4) and itself (2 x 3)
+    _check("all_to_all backward (the reverse all-to-all)", x.grad.flatten(),
+           [[1.0, 2.0, 4.0], [2.0, 3.0, 4.0, 6.0]][r])
+    from torch.distributed.nn.functional import all_to_all_single  # torch's, with autograd
+    x2 = x.detach().clone().requires_grad_()
+    out = torch.empty_like(y)
+    y2 = all_to_all_single(out, x2, recv, send, group=group)
+    (y2 * c * torch.arange(1.0, y.shape[0] + 1).unsqueeze(1)).sum().backward()
+    _check("torch's all_to_all_single agrees", y2.detach().flatten(), y.detach().flatten().tolist())
+    _check("and so does its backward", x2.grad.flatten(), x.grad.flatten().tolist())
+
     # non-contiguous input: a transposed (2, 5) view, split along dim 1 as 3 + 2
     base = torch.arange(10.0).view(5, 2)
     x = base.t().requires_grad_()  # x[i, j] = 2 j + i

@@ -86,6 +86,8 @@ def run_dir_for(cfg: Config, config_name: str, run_num: str, mesh: meshes.Parall
     """logs/CONFIG/4GPU/RUN; model-parallel lessons name every size ('4GPU_tp2_cp1_dp2'), so runs
     at different layouts never share a directory."""
     layout = mesh.layout_name() if model_parallel else f"{mesh.world_size}GPU"
+    if cfg.expert_parallel > 1:
+        layout += f"_ep{cfg.expert_parallel}"
     return cfg.exp_path / config_name / layout / str(run_num)
 
 
@@ -102,6 +104,9 @@ def _check_lesson(cfg: Config, config_name: str, model_parallel: bool) -> None:
     if split and not model_parallel:
         sizes = ", ".join(f"{meshes.DIMENSIONS[n]}={s}" for n, s in split.items())
         raise ValueError(f"config {config_name!r} sets {sizes}: model parallel runs use train_mp.py")
+    if cfg.expert_parallel > 1 and not model_parallel:
+        raise ValueError(f"--expert_parallel {cfg.expert_parallel} splits the experts over ranks: "
+                         f"expert parallel runs use train_mp.py")
 
 
 def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunContext, int]:

@@ -291,8 +291,9 @@ class Trainer:
         self.model.eval()
         self.mark("validation")
         self.valid_data.set_epoch(0)
-        pad_to = 0  # FSDP gathers weights in every forward: every dp rank runs as many batches
-        if sharding.fsdp_active(self.cfg, self.ctx.mesh):
+        pad_to = 0  # FSDP gathers weights (expert parallelism exchanges tokens) in every forward:
+        # every dp rank runs as many batches
+        if sharding.fsdp_active(self.cfg, self.ctx.mesh) or self.ctx.mesh.expert_parallel > 1:
             most = torch.tensor(float(self.valid_data.batches_per_epoch), device=self.device)
             pad_to = int(all_reduce_max(most, self.ctx.dp_group).item())
         batches = (self.to_device(inp, tar) for inp, tar in self.valid_data)
@@ -305,17 +306,34 @@ class Trainer:
         return self.ctx.run_dir / ckpt.CHECKPOINT_NAME
 
     # consolidated: whole tensors with the serial names, whatever the layout (collectives over tp)
+    # (expert parallel: every rank's experts too, broadcast by their owners, distributed/experts.py)
     def model_state(self) -> dict[str, torch.Tensor]:
-        return consolidate.full_state(self.raw_model, self.ctx.mesh)
+        state = consolidate.full_state(self.raw_model, self.ctx.mesh)
+        if self.ctx.mesh.expert_parallel > 1:
+            state = self.experts().full_model_state(self.raw_model, self.ctx.mesh, state)
+        return state
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        if self.ctx.mesh.expert_parallel > 1:
+            state = self.experts().local_model_state(self.raw_model, state)
         consolidate.load_full_state(self.raw_model, state, self.ctx.mesh)
 
     def optimizer_state(self) -> dict[str, Any]:
-        return consolidate.full_optimizer_state(self.optimizer, self.ctx.mesh)
+        state = consolidate.full_optimizer_state(self.optimizer, self.ctx.mesh)
+        if self.ctx.mesh.expert_parallel > 1:
+            state = self.experts().full_optimizer_state(self.raw_model, self.ctx.mesh, state)
+        return state
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if self.ctx.mesh.expert_parallel > 1:
+            state = self.experts().local_optimizer_state(self.raw_model, state)
         consolidate.load_full_optimizer_state(self.optimizer, state, self.ctx.mesh)
+
+    @staticmethod
+    def experts() -> Any:
+        from distributed import experts  # loaded by expert-parallel runs only
+
+        return experts
 
     def save_checkpoint(self) -> None:
         self.mark("checkpoint")

@@ -110,6 +110,8 @@ class Config:
                                   "--row_parallel_size is the SC23 name", "parallelism",
                                aliases=("--row_parallel_size",))
     context_parallel: int = key(1, "ranks that split the sequence of tokens", "parallelism")
+    expert_parallel: int = key(1, "data-parallel ranks that split the experts of each mixture of "
+                                  "experts (tokens reach their experts by all-to-all)", "parallelism")
     sequence_parallel: bool = key(False, "with tensor_parallel: the activations between the tensor-"
                                          "parallel layers (norms, residuals, dropout) split along the "
                                          "tokens over the tp ranks; all-gather and reduce-scatter "
@@ -209,8 +211,8 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "stop_check_every", "memory_snapshot", "profile_epoch", "profile_start_step", "profile_num_steps",
     "profile",
     "enable_fused", "enable_jit", "attention_kernel", "tensor_parallel", "context_parallel", "parallel_order",
-    "sequence_parallel", "bucket_cap_mb", "disable_broadcast_buffers", "rendezvous_timeout_s",
-    "collective_timeout_s",
+    "sequence_parallel", "expert_parallel", "bucket_cap_mb", "disable_broadcast_buffers",
+    "rendezvous_timeout_s", "collective_timeout_s",
     "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",
     "dp_shard", "cpu_offload",
     "pipeline_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",

@@ -199,8 +199,20 @@ def _check_experts(cfg: Config) -> None:
         raise ValueError(f"config keys num_experts (0 or more), moe_every (1 or more), moe_capacity_factor "
                          f"and moe_aux_weight (0 or more) are {cfg.num_experts}, {cfg.moe_every}, "
                          f"{cfg.moe_capacity_factor} and {cfg.moe_aux_weight}")
+    if cfg.expert_parallel < 1:
+        raise ValueError(f"config key 'expert_parallel' must be at least 1, got {cfg.expert_parallel}")
+    if cfg.expert_parallel > 1 and not cfg.num_experts:
+        raise ValueError("--expert_parallel splits the experts of a mixture of experts; give --num_experts "
+                         "too")
     if not cfg.num_experts:
         return
+    if cfg.num_experts % cfg.expert_parallel:
+        raise ValueError(f"num_experts {cfg.num_experts} is not divisible by expert_parallel "
+                         f"{cfg.expert_parallel}; each rank holds as many experts")
+    if cfg.expert_parallel > 1 and (cfg.data_parallel != "ddp" or cfg.noddp):
+        what = "--noddp" if cfg.noddp else f"--data_parallel {cfg.data_parallel}"
+        raise ValueError(f"--expert_parallel runs with DDP here (its hook averages the experts over the "
+                         f"ranks that hold them), not with {what}; use --data_parallel ddp")
     if not 1 <= cfg.moe_top_k <= min(2, cfg.num_experts):
         raise ValueError(f"moe_top_k must be 1 or 2 and at most num_experts ({cfg.num_experts}), got "
                          f"{cfg.moe_top_k}")
