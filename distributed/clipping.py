@@ -16,6 +16,8 @@ of squares over ranks in which every element must count exactly once:
 - context parallel: gradients are summed over cp in backward, so every cp rank holds them
   whole: no sum;
 - pipeline parallel: each stage holds its own blocks: sum over pp.
+- expert parallel: each rank of an ep block holds its own experts (``ParamSpec.expert``),
+  averaged over their replicas: sum over the block.
 
 Every rank then has the same norm and the same scale, and the result is the serial model's.
 """
@@ -36,15 +38,20 @@ def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh) -> torch.Te
     grads = [p for p in params if p.grad is not None]
     device = grads[0].grad.device if grads else torch.device("cpu")
     split, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
+    experts = torch.zeros((), device=device)
     for p in grads:
         sq = local(p.grad).float().pow(2).sum()  # an FSDP gradient: this rank's shard
-        if spec(p).shard_dim is not None and mesh.size("tp") > 1:
+        if spec(p).expert:
+            experts += sq
+        elif spec(p).shard_dim is not None and mesh.size("tp") > 1:
             split += sq
         else:
             replicated += sq
     if mesh.size("tp") > 1:
         dist.all_reduce(split, group=mesh.group("tp"))
-    total = split + replicated
+    if mesh.expert_parallel > 1:
+        dist.all_reduce(experts, group=mesh.group("ep"))
+    total = split + replicated + experts
     sharded = next((p.grad for p in grads if is_sharded(p.grad)), None)
     if sharded is not None:  # FSDP: over the mesh dimensions that shard (HSDP: not the replicas)
         for i, placement in enumerate(sharded.placements):

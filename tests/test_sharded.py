@@ -67,7 +67,9 @@ def serial_clipped(data_dir, test_yaml, tmp_path_factory) -> list[dict]:
 
 # a mixture of experts in every block, top-2, with a capacity that drops tokens: its capacity
 # and balancing loss are per sample, so 2 DDP ranks of 2 micro-batches each compute the serial run
-MOE = {"num_experts": 4, "moe_top_k": 2, "moe_every": 1, "moe_capacity_factor": 0.75, "moe_aux_weight": 0.1}
+# (clipped: the global norm sums each expert once, on the rank that holds it)
+MOE = {"num_experts": 4, "moe_top_k": 2, "moe_every": 1, "moe_capacity_factor": 0.75, "moe_aux_weight": 0.1,
+       "grad_clip_norm": 0.2}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +78,7 @@ def serial_moe_dir(data_dir, test_yaml, tmp_path_factory) -> Path:
     ok(run(1, args(test_yaml, data_dir, expdir, **MOE)))
     logged = metrics(run_dir(expdir, 1))
     assert all(layer[4] > 0 for m in logged for layer in m["moe"])  # the capacity dropped tokens
+    assert all(m["grad_norm_mean"] > MOE["grad_clip_norm"] for m in logged)  # and clipping clipped
     return run_dir(expdir, 1)
 
 
@@ -134,8 +137,8 @@ def flags_to_args(flags: dict) -> tuple[dict, list[str]]:
 @pytest.mark.parametrize("name", VARIANTS)
 def test_layout_logs_the_serial_losses(name, data_dir, test_yaml, tmp_path, request):
     ranks, flags, mp = VARIANTS[name]
-    reference = ("serial_clipped" if "grad_clip_norm" in flags
-                 else "serial_moe" if "num_experts" in flags else "serial")
+    reference = ("serial_moe" if "num_experts" in flags
+                 else "serial_clipped" if "grad_clip_norm" in flags else "serial")
     serial = request.getfixturevalue(reference)
     valued, switches = flags_to_args(flags)
     env = {"DDP_TEST_MODEL_PARALLEL": "1"} if mp else {}

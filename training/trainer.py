@@ -94,7 +94,8 @@ class Trainer:
         self.model = self.build_model()
         self.raw_model = unwrap(self.model)
         # mixture-of-experts layers (networks/moe.py): their balancing loss joins the training loss
-        self.moe_layers = [m for m in self.raw_model.modules() if hasattr(m, "aux_loss")]
+        self.moe_layers = [m for m in self.raw_model.modules() if hasattr(m, "aux_loss")] \
+            if isinstance(self.raw_model, nn.Module) else []  # (a pipeline's stages: no experts)
         self.moe_stats: list[torch.Tensor] = []  # per step: (layers, experts + 2), see log_epoch
         self.amp_mode = sharding.autocast_mode(cfg, ctx.mesh)  # FSDP's bf16 is its own policy
         self.attention_kernel = self.choose_attention_kernel()  # a resumed run keeps its own
