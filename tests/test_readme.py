@@ -232,8 +232,8 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
     "compare_runs.py": lambda runner: [],  # the runs of the commands before it
     "lr_range_test.py": lambda runner: [  # 12 steps from 1e-6 to 1 (diverged or not, it suggests)
         "--steps", "12", "--data_dir", str(runner.data_for("tiny")), "--expdir", str(runner.tmp / "logs")],
-    "batch_scaling.py": lambda runner: [  # batch 16 as 2 micro-batches of 8 against 8, one rule
-        "--batches", "8,16", "--micro_batch", "8", "--rules", "sqrt", "--samples", "16",
+    "batch_scaling.py": lambda runner: [  # one run: batch 16 as 2 micro-batches of 8, LAMB
+        "--batches", "16", "--micro_batch", "8", "--optimizers", "LAMB", "--samples", "16",
         "--data_dir", str(runner.data_for("tiny")), "--expdir", str(runner.tmp / "logs")],
     "hang_demo.py": lambda runner: ["--timeout", "1"],  # both cases; it fails if no rank is named
     "benchmark.py": lambda runner: [  # one rung, one step of batch 2 (the full ladder: test_ladder.py)

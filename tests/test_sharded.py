@@ -149,16 +149,23 @@ def test_layout_logs_the_serial_losses(name, data_dir, test_yaml, tmp_path, requ
     assert_same_losses(serial, logged)
 
 
-def test_expert_parallel_with_tp_trains_and_checkpoints_the_serial_model(serial_moe_dir, data_dir,
-                                                                       test_yaml, tmp_path):
+def test_expert_parallel_with_tp_trains_resumes_and_checkpoints_the_serial_model(serial_moe_dir, data_dir,
+                                                                               test_yaml, tmp_path):
     """4 ranks: tp 2 (the experts replicated over tp) x dp 2, the dp pair splitting the 4 experts
     of each layer (expert_parallel 2: tokens exchanged by all-to-all), each batch as 2
-    micro-batches: the serial losses, and a checkpoint holding the serial model and optimizer
-    state (every expert, gathered from its owner, under its serial name and index)."""
+    micro-batches, clipped. Rank 0 fails in step 4, after the step-2 checkpoint; the rerun loads
+    it (each rank its own experts and their Adam state) and logs the serial losses, and its last
+    checkpoint holds the serial model and optimizer state (every expert, gathered from its
+    owner, under its serial name and index)."""
     flags = args(test_yaml, data_dir, tmp_path, tensor_parallel=2, expert_parallel=2, grad_accum_steps=2,
-                 **MOE)
-    ok(run(4, flags, timeout=240, DDP_TEST_MODEL_PARALLEL="1"))
+                 checkpoint_every=2, **MOE)
+    assert run(4, flags, timeout=240, DDP_TEST_MODEL_PARALLEL="1", DDP_TEST_RAISE_AT="0:3").returncode != 0
     folder = tmp_path / "tiny" / "4GPU_tp2_cp1_dp2_ep2" / "00"
+    assert [m["step"] for m in metrics(folder)] == [2]
+    resumed = run(4, flags, timeout=240, DDP_TEST_MODEL_PARALLEL="1")
+    ok(resumed)
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    assert [m["step"] for m in metrics(folder)] == [2, 4, 6]
     assert_same_losses(metrics(serial_moe_dir), metrics(folder))
     mine, serial = (torch.load(d / CHECKPOINT_NAME, weights_only=False) for d in (folder, serial_moe_dir))
     assert list(mine["model"]) == list(serial["model"])
@@ -168,21 +175,6 @@ def test_expert_parallel_with_tp_trains_and_checkpoints_the_serial_model(serial_
     for i, entry in serial["optimizer"]["state"].items():
         torch.testing.assert_close(mine["optimizer"]["state"][i]["exp_avg"], entry["exp_avg"], rtol=1e-3,
                                    atol=1e-7)
-
-
-def test_expert_parallel_resumes_after_a_failure(serial_moe, data_dir, test_yaml, tmp_path):
-    """2 ranks, expert_parallel 2: rank 0 fails in step 4 after the step-2 checkpoint; the rerun
-    loads the consolidated checkpoint (each rank its own experts and their Adam state) and logs
-    the serial losses."""
-    flags = args(test_yaml, data_dir, tmp_path, expert_parallel=2, checkpoint_every=2, **MOE)
-    assert run(2, flags, DDP_TEST_MODEL_PARALLEL="1", DDP_TEST_RAISE_AT="0:3").returncode != 0
-    folder = tmp_path / "tiny" / "2GPU_tp1_cp1_dp2_ep2" / "00"
-    assert [m["step"] for m in metrics(folder)] == [2]
-    resumed = run(2, flags, DDP_TEST_MODEL_PARALLEL="1")
-    ok(resumed)
-    assert "resumed from" in resumed.stdout + resumed.stderr
-    assert [m["step"] for m in metrics(folder)] == [2, 4, 6]
-    assert_same_losses(serial_moe, metrics(folder))
 
 
 def _memory_per_rank(cfgs, run_dir_path, out_dir, world):
