@@ -59,6 +59,17 @@ def add_expert_groups(mesh: ParallelMesh, ep: int) -> None:
     mesh.coords["ep"] = mesh.dp_rank % ep
 
 
+def dispatch_plan(expert: torch.Tensor, num_experts: int,
+                  ep: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """For the experts of this rank's kept assignments (A,): the order that sorts them by expert
+    (stable: within an expert, in token order), the number per expert (E,), and the number
+    sent to each rank of the block (expert e lives on rank e // (E / ep)): the all-to-all's
+    split sizes."""
+    order = torch.argsort(expert, stable=True)
+    counts = torch.bincount(expert, minlength=num_experts)
+    return order, counts, counts.view(ep, num_experts // ep).sum(dim=1).tolist()
+
+
 class ExpertParallelMoE(nn.Module):
     """This rank's part of a :class:`~networks.moe.MoEMLP`: the router (replicated) and its own
     experts, under their serial names (``experts.<global index>``)."""
@@ -88,13 +99,11 @@ class ExpertParallelMoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # (T, D)
         token, choice = kept.reshape(-1, self.top_k).nonzero(as_tuple=True)
         expert = experts.reshape(-1, self.top_k)[token, choice]
-        order = torch.argsort(expert, stable=True)  # the assignments sorted by expert
-        token, choice, expert = token[order], choice[order], expert[order]
-        counts = torch.bincount(expert, minlength=self.num_experts)  # (E,) assignments per expert
+        order, counts, send_splits = dispatch_plan(expert, self.num_experts, self.ep)
+        token, choice = token[order], choice[order]
         # tell every rank how many tokens it gets for each of its experts: (ep, per_rank), the
         # row of rank s says what s sends here
         received_counts = all_to_all(counts.view(self.ep, self.per_rank), self.group)
-        send_splits = counts.view(self.ep, self.per_rank).sum(dim=1).tolist()
         recv_splits = received_counts.sum(dim=1).tolist()
         received = all_to_all(flat[token], self.group, recv_splits, send_splits)  # (R, D), by source
         # then by expert within each source: regroup by expert, run each, put back in place

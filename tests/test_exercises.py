@@ -20,7 +20,7 @@ from utils.data_loader import ERA5Dataset
 
 VARIANT = os.environ.get("EXERCISE_VARIANT", "solution")
 NAMES = ("sample_index", "amp_step", "allreduce_grads", "compress_hook", "tp_mlp", "tp_mlp_split",
-         "grad_accum", "pipeline_balance", "lamb_trust")
+         "grad_accum", "pipeline_balance", "lamb_trust", "dispatch")
 
 
 def exercise(name: str, variant: str = VARIANT):
@@ -50,7 +50,7 @@ def test_shipped_exercises_are_unsolved(name, tmp_path):
     them. (Your own edits to them are not looked at here: `make exercise NAME=...` checks those.)"""
     module = shipped_exercise(name, tmp_path)
     functions = ("locate", "amp_step", "average_gradients", "bf16_hook", "shard_mlp", "tp_mlp_forward",
-                 "accumulate_gradients", "balance_stages", "lamb_update")
+                 "accumulate_gradients", "balance_stages", "lamb_update", "dispatch_plan")
     fn = next(getattr(module, f) for f in functions if hasattr(module, f))
     with pytest.raises(NotImplementedError, match="exercise"):
         fn(*([None] * fn.__code__.co_argcount))
@@ -424,3 +424,22 @@ def test_lamb_trust():
                 w - lr * (w.norm() / direction.norm()) * direction - lr * wd * w,
             "without the trust ratio this is AdamW's step": w - lr * u,
         })
+
+
+def test_dispatch():
+    """The exercise's plan against the one distributed/experts.py uses, on random assignments
+    (4 and 8 experts over 2 and 4 ranks, some experts chosen by nobody)."""
+    from distributed.experts import dispatch_plan
+
+    plan = exercise("dispatch").dispatch_plan
+    gen = torch.Generator().manual_seed(0)
+    for num_experts, ep, n in [(4, 2, 30), (8, 4, 50), (8, 2, 3), (4, 4, 0)]:
+        expert = torch.randint(0, num_experts, (n,), generator=gen)
+        want_order, want_counts, want_splits = dispatch_plan(expert, num_experts, ep)
+        order, counts, splits = plan(expert.clone(), num_experts, ep)
+        assert torch.equal(counts, want_counts), f"counts per expert: got {counts.tolist()}"
+        assert list(splits) == want_splits and all(isinstance(x, int) for x in splits), (
+            f"send splits: got {splits}, want {want_splits} (expert e lives on rank e // (E / ep), "
+            f"not e % ep)")
+        assert torch.equal(expert[order], expert[want_order]), "order does not sort by expert"
+        assert torch.equal(order, want_order), "within an expert keep token order: a stable sort"

@@ -148,8 +148,65 @@ def test_the_vit_with_experts_trains_and_logs_them(cfg_factory, tmp_path):
     ({"num_experts": -1}, "num_experts (0 or more)"),
     ({"num_experts": 4, "context_parallel": 2}, "--num_experts does not combine with --context_parallel"),
     ({"num_experts": 4, "pipeline_parallel": 2}, "--num_experts does not combine with --pipeline_parallel"),
+    ({"num_experts": 6, "expert_parallel": 4}, "num_experts 6 is not divisible by expert_parallel 4"),
+    ({"expert_parallel": 2}, "--expert_parallel splits the experts of a mixture of experts"),
+    ({"num_experts": 4, "expert_parallel": 2, "data_parallel": "fsdp"},
+     "--expert_parallel runs with DDP here"),
 ])
 def test_bad_expert_settings_are_one_line(cfg_factory, flags, message):
     with pytest.raises(ValueError) as err:
         cfg_factory(**flags)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def _checkpoint_round_trip() -> None:
+    """On 2 ranks splitting the experts: a serial model's and Adam's state (as a checkpoint of a
+    run without expert parallelism holds them) loads, each rank taking its own experts, and
+    consolidates back to the same tensors, names and indices."""
+    import copy
+
+    import torch.distributed as dist
+
+    from distributed import experts as ep_lib
+    from distributed.consolidate import (
+        full_optimizer_state,
+        full_state,
+        load_full_optimizer_state,
+        load_full_state,
+    )
+    from distributed.mesh import build_mesh
+    from networks.vit import ViT
+
+    torch.manual_seed(0)
+    serial = ViT((8, 16), 4, 3, 2, 16, 2, 2, num_experts=4, moe_top_k=2)
+    adam = torch.optim.Adam(serial.parameters())
+    serial(torch.randn(2, 3, 8, 16)).square().mean().backward()
+    adam.step()
+    model_state = {n: p.detach().clone() for n, p in serial.named_parameters()}
+    optimizer_state = copy.deepcopy(adam.state_dict())
+
+    mesh = build_mesh({})
+    torch.manual_seed(1)  # other weights: the load must overwrite them
+    model = ep_lib.apply_expert_parallel(ViT((8, 16), 4, 3, 2, 16, 2, 2, num_experts=4, moe_top_k=2), mesh, 2)
+    own = [n for n, _ in model.named_parameters()]
+    first = 2 * dist.get_rank()
+    assert f"blocks.1.mlp.experts.{first}.fc1.weight" in own and len(own) < len(model_state)
+    opt = torch.optim.Adam(model.parameters())
+    load_full_state(model, ep_lib.local_model_state(model, model_state), mesh)
+    load_full_optimizer_state(opt, ep_lib.local_optimizer_state(model, optimizer_state), mesh)
+    back = ep_lib.full_model_state(model, mesh, full_state(model, mesh))
+    assert list(back) == list(model_state)
+    for name, t in model_state.items():
+        assert torch.equal(back[name], t), name
+    back_opt = ep_lib.full_optimizer_state(model, mesh, full_optimizer_state(opt, mesh))
+    assert back_opt["param_groups"][0]["params"] == optimizer_state["param_groups"][0]["params"]
+    for i, entry in optimizer_state["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(back_opt["state"][i][key], value), (i, key)
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_without_expert_parallelism_loads_into_two_expert_ranks_and_back():
+    from tests.dist_spawn import run_ranks
+
+    run_ranks(2, _checkpoint_round_trip)

@@ -230,6 +230,7 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
     "comm_overlap.py": lambda runner: [  # one step of each variant, one DDP bucket size
         "--steps", "1", "--warmup", "0", "--bucket_mb", "1"],
     "compare_runs.py": lambda runner: [],  # the runs of the commands before it
+    "plot_experts.py": lambda runner: [],  # the mixture-of-experts run before it
     "lr_range_test.py": lambda runner: [  # 12 steps from 1e-6 to 1 (diverged or not, it suggests)
         "--steps", "12", "--data_dir", str(runner.data_for("tiny")), "--expdir", str(runner.tmp / "logs")],
     "batch_scaling.py": lambda runner: [  # one run: batch 16 as 2 micro-batches of 8, LAMB

@@ -149,20 +149,26 @@ def test_layout_logs_the_serial_losses(name, data_dir, test_yaml, tmp_path, requ
     assert_same_losses(serial, logged)
 
 
-def test_expert_parallel_with_tp_trains_resumes_and_checkpoints_the_serial_model(serial_moe_dir, data_dir,
-                                                                               test_yaml, tmp_path):
-    """4 ranks: tp 2 (the experts replicated over tp) x dp 2, the dp pair splitting the 4 experts
-    of each layer (expert_parallel 2: tokens exchanged by all-to-all), each batch as 2
-    micro-batches, clipped. Rank 0 fails in step 4, after the step-2 checkpoint; the rerun loads
-    it (each rank its own experts and their Adam state) and logs the serial losses, and its last
-    checkpoint holds the serial model and optimizer state (every expert, gathered from its
-    owner, under its serial name and index)."""
-    flags = args(test_yaml, data_dir, tmp_path, tensor_parallel=2, expert_parallel=2, grad_accum_steps=2,
-                 checkpoint_every=2, **MOE)
-    assert run(4, flags, timeout=240, DDP_TEST_MODEL_PARALLEL="1", DDP_TEST_RAISE_AT="0:3").returncode != 0
+def test_expert_parallel_trains_resumes_in_another_layout_and_checkpoints_the_serial_model(
+        serial_moe_dir, data_dir, test_yaml, tmp_path):
+    """Expert parallelism against the serial mixture of experts (top-2, capacity, clipped), each
+    batch as 2 micro-batches, on 4 ranks. First dp 4 in 2 blocks of 2 ranks splitting the 4
+    experts of each layer (expert_parallel 2: tokens exchanged by all-to-all; each expert
+    averaged over the 2 ranks that hold it); rank 0 fails in step 4, after the step-2 checkpoint.
+    The checkpoint then continues as tp 2 x dp 2 (experts replicated over tp, the dp pair
+    splitting them): each rank loads its own experts and their Adam state, the losses are the
+    serial run's, and the last checkpoint holds the serial model and optimizer state (every
+    expert, gathered from its owner, under its serial name and index)."""
+    common = dict(expert_parallel=2, grad_accum_steps=2, checkpoint_every=2, **MOE)
+    first = run(4, args(test_yaml, data_dir, tmp_path, **common), timeout=240, DDP_TEST_MODEL_PARALLEL="1",
+                DDP_TEST_RAISE_AT="0:3")
+    assert first.returncode != 0
+    dp4 = tmp_path / "tiny" / "4GPU_tp1_cp1_dp4_ep2" / "00"
+    assert [m["step"] for m in metrics(dp4)] == [2]
     folder = tmp_path / "tiny" / "4GPU_tp2_cp1_dp2_ep2" / "00"
-    assert [m["step"] for m in metrics(folder)] == [2]
-    resumed = run(4, flags, timeout=240, DDP_TEST_MODEL_PARALLEL="1")
+    shutil.copytree(dp4, folder)
+    resumed = run(4, args(test_yaml, data_dir, tmp_path, tensor_parallel=2, **common), timeout=240,
+                  DDP_TEST_MODEL_PARALLEL="1")
     ok(resumed)
     assert "resumed from" in resumed.stdout + resumed.stderr
     assert [m["step"] for m in metrics(folder)] == [2, 4, 6]
