@@ -159,8 +159,9 @@ def test_bad_expert_settings_are_one_line(cfg_factory, flags, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def _checkpoint_round_trip() -> None:
-    """On 2 ranks splitting the experts: a serial model's and Adam's state (as a checkpoint of a
+def checkpoint_round_trip() -> None:
+    """(Run by test_model_parallel.py's 2-rank test, whose ranks are started anyway.)
+    On 2 ranks splitting the experts: a serial model's and Adam's state (as a checkpoint of a
     run without expert parallelism holds them) loads, each rank taking its own experts, and
     consolidates back to the same tensors, names and indices."""
     import copy
@@ -203,10 +204,3 @@ def _checkpoint_round_trip() -> None:
     for i, entry in optimizer_state["state"].items():
         for key, value in entry.items():
             assert torch.equal(back_opt["state"][i][key], value), (i, key)
-
-
-@pytest.mark.timeout(120)
-def test_a_checkpoint_without_expert_parallelism_loads_into_two_expert_ranks_and_back():
-    from tests.dist_spawn import run_ranks
-
-    run_ranks(2, _checkpoint_round_trip)

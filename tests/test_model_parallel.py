@@ -218,20 +218,26 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, errors: list[str], 
 
 
 def _parity_on_ranks(layouts: list[tuple[int, ...]]) -> None:
-    """Each layout (tp, cp), (tp, cp, sequence parallel) or (tp, cp, sp, experts) against the
-    serial model; with experts, the second block's MLP is a top-2 mixture of 4 (replicated)."""
+    """Each layout (tp, cp), (tp, cp, sequence parallel), (tp, cp, sp, experts) or (tp, cp, sp,
+    experts, expert parallel) against the serial model; with experts, the second block's MLP is
+    a top-2 mixture of 4 (replicated, or split over ep data-parallel ranks)."""
+    from distributed import experts as ep_lib
+
     errors: list[str] = []
     for tp, cp, *rest in layouts:
         sp = bool(rest and rest[0])
         model = {**MODEL, **({"num_experts": 4, "moe_top_k": 2} if rest[1:] and rest[1] else {})}
+        ep = rest[2] if rest[2:] else 1
         mesh = build_mesh({"tp": tp, "cp": cp})
         where = (f"tp={tp} cp={cp}{' sp' if sp else ''}{' moe' if 'num_experts' in model else ''} "
-                 f"dp={mesh.dp_size} ({mesh.describe()})")
+                 f"ep={ep} dp={mesh.dp_size} ({mesh.describe()})")
         torch.manual_seed(0)
         serial = ViT(**model)
         state_after_serial = torch.get_rng_state()
         torch.manual_seed(0)
         par = apply_model_parallel(ViT(**model), mesh, sequence_parallel=sp)
+        if ep > 1:
+            par = ep_lib.apply_expert_parallel(par, mesh, ep)
         if not torch.equal(torch.get_rng_state(), state_after_serial):
             errors.append(f"{where}: building the parallel model used the random generator differently")
         for name, full in full_state(par, mesh).items():  # initialised as the serial model's shards
@@ -240,7 +246,8 @@ def _parity_on_ranks(layouts: list[tuple[int, ...]]) -> None:
         with torch.no_grad():  # biases start at 0 and norms at 1: move them so every term counts
             for p in serial.parameters():
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
-        load_full_state(par, serial.state_dict(), mesh)
+        state = serial.state_dict()
+        load_full_state(par, ep_lib.local_model_state(par, state) if ep > 1 else state, mesh)
         model = wrap_data_parallel(par, mesh, torch.device("cpu"))
 
         x = torch.randn(GLOBAL_BATCH, 3, 12, 20, generator=gen)
@@ -271,6 +278,8 @@ def _parity_on_ranks(layouts: list[tuple[int, ...]]) -> None:
         got_norm = clip_grad_norm(list(par.parameters()), limit.item(), mesh)
         _close(f"{where} gradient norm", got_norm, want_norm, errors)
         grads = full_state(par, mesh, grads=True)
+        if ep > 1:  # every expert's gradient, from the rank that holds it
+            grads = ep_lib.full_model_state(par, mesh, grads)
         largest = max(p.grad.abs().max().item() for p in serial.parameters())
         for name, p in serial.named_parameters():
             _close(f"{where} gradient of {name}", grads[name], p.grad, errors, largest)
@@ -279,13 +288,18 @@ def _parity_on_ranks(layouts: list[tuple[int, ...]]) -> None:
 
 
 def _mappings_then_parity(layouts: list[tuple[int, ...]]) -> None:
+    from tests.test_experts import checkpoint_round_trip
+
     _mappings_on_ranks()
     _parity_on_ranks(layouts)
+    checkpoint_round_trip()  # a serial checkpoint loads into 2 expert-parallel ranks and back
 
 
 def test_mappings_and_tp2_cp2_match_serial_on_two_ranks():
     """One set of 2 ranks (starting ranks is the slow part): the mappings against
-    hand-computed values, then the parallel ViT against the serial one for tp=2 and cp=2."""
+    hand-computed values, then the parallel ViT against the serial one for tp=2 and cp=2 (and
+    tp=2 with sequence parallelism, and with replicated experts), then a checkpoint's round trip
+    through 2 expert-parallel ranks (tests/test_experts.py)."""
     run_ranks(2, _mappings_then_parity, [(2, 1), (1, 2), (2, 1, True), (2, 1, False, True)])
 
 
@@ -332,7 +346,10 @@ def test_four_rank_layouts_match_serial_and_fsdp_builds_in_shards(data_dir, tmp_
     # tp=2 x dp=2, tp=2 x cp=2, cp=2 x dp=2 (cp gradients summed inside DDP's comm hook), and
     # with sequence parallelism tp=2 x dp=2 (the hook sums part of a bucket over tp) and
     # tp=2 x cp=2 (tokens split over cp, then over tp; the tag hooks sum over both)
-    run_ranks(4, _parity_then_fsdp_build, [(2, 1), (2, 2), (1, 2), (2, 1, True), (2, 2, True)],
+    # and expert parallel: tp=2 x dp=2 with the dp pair splitting the experts, and dp=4 in 2
+    # blocks of 2 (each expert averaged over the 2 ranks that hold it)
+    run_ranks(4, _parity_then_fsdp_build, [(2, 1), (2, 2), (1, 2), (2, 1, True), (2, 2, True),
+                                           (2, 1, False, True, 2), (1, 1, False, True, 2)],
               str(data_dir), str(tmp_path))
     for rank in range(4):
         print(rank, (tmp_path / f"build_peak_{rank}.txt").read_text())

@@ -231,8 +231,8 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
         "--steps", "1", "--warmup", "0", "--bucket_mb", "1"],
     "compare_runs.py": lambda runner: [],  # the runs of the commands before it
     "plot_experts.py": lambda runner: [],  # the mixture-of-experts run before it
-    "lr_range_test.py": lambda runner: [  # 12 steps from 1e-6 to 1 (diverged or not, it suggests)
-        "--steps", "12", "--data_dir", str(runner.data_for("tiny")), "--expdir", str(runner.tmp / "logs")],
+    "lr_range_test.py": lambda runner: [  # 6 steps from 1e-6 to 1 (diverged or not, it suggests)
+        "--steps", "6", "--data_dir", str(runner.data_for("tiny")), "--expdir", str(runner.tmp / "logs")],
     "batch_scaling.py": lambda runner: [  # one run: batch 16 as 2 micro-batches of 8, LAMB
         "--batches", "16", "--micro_batch", "8", "--optimizers", "LAMB", "--samples", "16",
         "--data_dir", str(runner.data_for("tiny")), "--expdir", str(runner.tmp / "logs")],

@@ -149,29 +149,17 @@ def test_layout_logs_the_serial_losses(name, data_dir, test_yaml, tmp_path, requ
     assert_same_losses(serial, logged)
 
 
-def test_expert_parallel_trains_resumes_in_another_layout_and_checkpoints_the_serial_model(
-        serial_moe_dir, data_dir, test_yaml, tmp_path):
-    """Expert parallelism against the serial mixture of experts (top-2, capacity, clipped), each
-    batch as 2 micro-batches, on 4 ranks. First dp 4 in 2 blocks of 2 ranks splitting the 4
-    experts of each layer (expert_parallel 2: tokens exchanged by all-to-all; each expert
-    averaged over the 2 ranks that hold it); rank 0 fails in step 4, after the step-2 checkpoint.
-    The checkpoint then continues as tp 2 x dp 2 (experts replicated over tp, the dp pair
-    splitting them): each rank loads its own experts and their Adam state, the losses are the
-    serial run's, and the last checkpoint holds the serial model and optimizer state (every
-    expert, gathered from its owner, under its serial name and index)."""
-    common = dict(expert_parallel=2, grad_accum_steps=2, checkpoint_every=2, **MOE)
-    first = run(4, args(test_yaml, data_dir, tmp_path, **common), timeout=240, DDP_TEST_MODEL_PARALLEL="1",
-                DDP_TEST_RAISE_AT="0:3")
-    assert first.returncode != 0
-    dp4 = tmp_path / "tiny" / "4GPU_tp1_cp1_dp4_ep2" / "00"
-    assert [m["step"] for m in metrics(dp4)] == [2]
-    folder = tmp_path / "tiny" / "4GPU_tp2_cp1_dp2_ep2" / "00"
-    shutil.copytree(dp4, folder)
-    resumed = run(4, args(test_yaml, data_dir, tmp_path, tensor_parallel=2, **common), timeout=240,
-                  DDP_TEST_MODEL_PARALLEL="1")
-    ok(resumed)
-    assert "resumed from" in resumed.stdout + resumed.stderr
-    assert [m["step"] for m in metrics(folder)] == [2, 4, 6]
+def test_expert_parallel_trains_and_checkpoints_the_serial_model(serial_moe_dir, data_dir, test_yaml,
+                                                                tmp_path):
+    """train_mp.py on 2 ranks splitting the 4 experts of each layer (expert_parallel 2: tokens
+    exchanged by all-to-all), top-2 with a capacity that drops, each batch as 2 micro-batches,
+    clipped: the serial losses, and a checkpoint holding the serial model and optimizer state
+    (every expert, gathered from its owner, under its serial name and index). Other layouts
+    (tp x ep, dp 4 in 2 blocks) against the serial model, and a serial checkpoint loaded into 2
+    expert-parallel ranks: test_model_parallel.py."""
+    ok(run(2, args(test_yaml, data_dir, tmp_path, expert_parallel=2, grad_accum_steps=2, **MOE),
+           DDP_TEST_MODEL_PARALLEL="1"))
+    folder = tmp_path / "tiny" / "2GPU_tp1_cp1_dp2_ep2" / "00"
     assert_same_losses(metrics(serial_moe_dir), metrics(folder))
     mine, serial = (torch.load(d / CHECKPOINT_NAME, weights_only=False) for d in (folder, serial_moe_dir))
     assert list(mine["model"]) == list(serial["model"])
