@@ -32,9 +32,9 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed.mappings import all_to_all
-from distributed.mesh import ParallelMesh, group_layouts
+from distributed.mesh import ParallelMesh, check_expert_parallel, group_layouts
 from distributed.tags import spec, tag
-from networks.moe import MoEMLP
+from networks.moe import MoEMLP, assignment_shares
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,7 @@ def add_expert_groups(mesh: ParallelMesh, ep: int) -> None:
     """Create the "ep" groups (consecutive blocks of ``ep`` ranks of each dp group) and the
     "ep_replicas" groups (the ranks at the same place in every block of a dp group). Collective:
     every rank creates every group, in the same order."""
-    if mesh.dp_size % ep:
-        raise ValueError(f"expert_parallel {ep} does not divide the {mesh.dp_size} data-parallel ranks; "
-                         f"choose a divisor (the expert-parallel ranks are data-parallel ranks)")
+    check_expert_parallel(mesh.dp_size, ep)
     others = {n: s for n, s in mesh.sizes.items() if n != "dp"}
     for ranks in group_layouts(mesh.world_size, others, "-".join(mesh.sizes))["dp"]:
         blocks = [ranks[i:i + ep] for i in range(0, len(ranks), ep)]
@@ -116,8 +114,7 @@ class ExpertParallelMoE(nn.Module):
         back = all_to_all(done, self.group, send_splits, recv_splits)  # (A, D) in the sent order
         weight = gates.reshape(-1, self.top_k)[token, choice].unsqueeze(-1)
         out = torch.zeros_like(flat).index_add(0, token, (back * weight.to(back.dtype)).to(flat.dtype))
-        received_share = counts.float().cpu() / experts.numel()
-        self.stats = torch.cat([received_share, (1 - received_share.sum()).reshape(1)]).detach()
+        self.stats = assignment_shares(counts, experts.numel())
         return out.view_as(x)
 
 

@@ -99,6 +99,13 @@ def check_model(cfg: Config) -> None:
                          f"use fewer ranks or smaller patches")
 
 
+def check_expert_parallel(dp_size: int, ep: int) -> None:
+    """The expert-parallel ranks are data-parallel ranks: ``ep`` must divide the dp size."""
+    if dp_size % ep:
+        raise ValueError(f"expert_parallel {ep} does not divide the {dp_size} data-parallel ranks; "
+                         f"choose a divisor (the expert-parallel ranks are data-parallel ranks)")
+
+
 def _strides(sizes: dict[str, int]) -> dict[str, int]:
     """A rank's coordinate along a dimension has stride = product of the sizes before it."""
     strides, s = {}, 1

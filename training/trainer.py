@@ -96,7 +96,8 @@ class Trainer:
         # mixture-of-experts layers (networks/moe.py): their balancing loss joins the training loss
         self.moe_layers = [m for m in self.raw_model.modules() if hasattr(m, "aux_loss")] \
             if isinstance(self.raw_model, nn.Module) else []  # (a pipeline's stages: no experts)
-        self.moe_stats: list[torch.Tensor] = []  # per step: (layers, experts + 2), see log_epoch
+        # per step: each layer's shares (layers, experts + 1) and balancing loss (layers,)
+        self.moe_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.amp_mode = sharding.autocast_mode(cfg, ctx.mesh)  # FSDP's bf16 is its own policy
         self.attention_kernel = self.choose_attention_kernel()  # a resumed run keeps its own
         # FSDP alone writes sharded checkpoints; with tp its tensors are tp slices, consolidated
@@ -204,9 +205,10 @@ class Trainer:
                     (self.scaler.scale(objective) if self.scaler else objective).backward()
             total += loss.detach()
         self.optimizer_step()
-        if self.moe_layers:  # what each expert got in the step's (last) micro-batch, for the logs
-            self.moe_stats.append(torch.stack([torch.cat([m.stats, m.aux_loss.detach().reshape(1).cpu()])
-                                               for m in self.moe_layers]))
+        if self.moe_layers:  # what each expert got in the step's (last) micro-batch, for the logs:
+            # shares (host) and the balancing loss (device: no host sync here, one per epoch)
+            self.moe_stats.append((torch.stack([m.stats for m in self.moe_layers]),
+                                   torch.stack([m.aux_loss.detach() for m in self.moe_layers])))
         return total
 
     def balancing_loss(self) -> torch.Tensor | float:
@@ -361,7 +363,10 @@ class Trainer:
         self.grad_norms = []
         extra = {"build_peak_MiB": self.build_peak_MiB} if self.build_peak_MiB is not None else {}
         self.build_peak_MiB = None  # in this process's first record only
-        experts = torch.stack(self.moe_stats) if self.moe_stats else None  # (steps, layers, E + 2)
+        experts = None  # (steps, layers, experts + 2): shares, dropped, balancing loss
+        if self.moe_stats:
+            shares, aux = zip(*self.moe_stats)
+            experts = torch.cat([torch.stack(shares), torch.stack(aux).cpu().unsqueeze(-1)], dim=-1)
         self.moe_stats = []
         if experts is not None:  # per layer: each expert's share of the assignments, dropped, aux loss
             extra["moe"] = experts.mean(dim=0).tolist()
