@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 DATA   := data/synthetic
 CONFIG ?= tiny
 
-.PHONY: venv data train test test-compat test-newest lint clean-logs exercise gpu-check
+.PHONY: venv data train test test-compat test-newest lint clean-logs exercise gpu-check deepspeed
 
 venv: $(STAMP)
 
@@ -26,6 +26,17 @@ $(DATA)/stats/global_stds.npy: scripts/make_synthetic_era5.py utils/era5.py | $(
 
 train: venv data
 	$(BIN)/python train.py --config $(CONFIG)
+
+# optional: DeepSpeed's engine (train.py --engine deepspeed, docs/10-deepspeed.md), pinned, into
+# .venv; then its one compiled part is built (cached in ~/.cache/torch_extensions, or in
+# $$TORCH_EXTENSIONS_DIR), so that no run waits for the compiler
+DS_STAMP := $(VENV)/.deepspeed-stamp
+deepspeed: $(DS_STAMP)
+
+$(DS_STAMP): requirements-deepspeed.txt | $(STAMP)
+	$(BIN)/python -m pip install --quiet -r requirements-deepspeed.txt
+	$(BIN)/python -c "from training.deepspeed_engine import build_ops; build_ops()"
+	@touch $@
 
 lint: venv
 	$(BIN)/ruff check .
@@ -54,7 +65,7 @@ $(COMPAT_STAMP): requirements.txt requirements-newest.txt
 	@touch $@
 
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT_VENV)/bin/python -m pytest -n 2 --dist loadgroup -m "not course"
+	$(COMPAT_VENV)/bin/python -m pytest -n 2 --dist loadgroup -m "not course and not deepspeed"
 
 test-newest:
 	$(MAKE) test-compat COMPAT_TORCH=$(NEWEST_TORCH)

@@ -44,6 +44,8 @@ class GraphTrainer(Trainer):
     autocast_cache = False  # cached casts would be freed with the capture's memory pool
 
     def __init__(self, cfg: Config, ctx: RunContext, local_batch: int) -> None:
+        if cfg.engine != "native":  # DeepSpeed's step is its own, not one captured graph
+            raise ValueError("train_graph.py captures the native step; run --engine deepspeed with train.py")
         if cfg.amp_mode == "fp16":
             raise ValueError("train_graph.py supports amp_mode none or bf16: fp16's GradScaler "
                              "checks for inf on the host, which a CUDA graph cannot capture")

@@ -72,6 +72,9 @@ def arg_parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--run_num", default=None,
                    help=f"run name inside the config's log folder (default {DEFAULT_RUN_NUM}; when that "
                         f"folder holds a run with other settings, the next free number)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                   help="passed by DeepSpeed's launcher (deepspeed --num_gpus N); the rank is read "
+                        "from the environment (LOCAL_RANK) as under torchrun")
     add_config_flags(p)
     return p
 
@@ -88,6 +91,8 @@ def run_dir_for(cfg: Config, config_name: str, run_num: str, mesh: meshes.Parall
     layout = mesh.layout_name() if model_parallel else f"{mesh.world_size}GPU"
     if cfg.expert_parallel > 1:
         layout += f"_ep{cfg.expert_parallel}"
+    if cfg.engine == "deepspeed":  # '2GPU_ds2', '2GPU_ds3_offload': never a native run's folder
+        layout += f"_ds{cfg.zero_stage}" + ("_offload" if cfg.cpu_offload else "")
     return cfg.exp_path / config_name / layout / str(run_num)
 
 
@@ -104,6 +109,9 @@ def _check_lesson(cfg: Config, config_name: str, model_parallel: bool) -> None:
     if split and not model_parallel:
         sizes = ", ".join(f"{meshes.DIMENSIONS[n]}={s}" for n, s in split.items())
         raise ValueError(f"config {config_name!r} sets {sizes}: model parallel runs use train_mp.py")
+    if cfg.engine == "deepspeed" and model_parallel:
+        raise ValueError("--engine deepspeed runs train.py's data parallelism (ZeRO stages); use "
+                         "train.py --engine deepspeed")
     if cfg.expert_parallel > 1 and not model_parallel:
         raise ValueError(f"--expert_parallel {cfg.expert_parallel} splits the experts over ranks: "
                          f"expert parallel runs use train_mp.py")
@@ -166,6 +174,10 @@ def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description:
             from training.pipelined import trainer_for
 
             trainer_cls = trainer_for(cfg, trainer_cls)
+        if cfg.engine == "deepspeed":  # DeepSpeed's engine, imported only for its runs
+            from training import deepspeed_engine
+
+            trainer_cls = deepspeed_engine.trainer_for(cfg, trainer_cls)
         trainer = trainer_cls(cfg, ctx, local_batch)
         lock = lock_run_dir(ctx)
         if ctx.is_main:

@@ -112,15 +112,17 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
             "optimizer_state": sum(size(v) for s in state.values() for v in s.values() if torch.is_tensor(v))}
 
 
-def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer,
-                  device: torch.device) -> dict[str, float]:
-    """What this rank holds (MiB), on every device; the allocator's peak on CUDA."""
-    held = held_bytes(model, optimizer)  # under FSDP: this rank's shards; ZeRO-1: its share
-    params = [local(p) for p in model.parameters()]
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+                  held: dict[str, int] | None = None, gradients: int | None = None) -> dict[str, float]:
+    """What this rank holds (MiB), on every device; the allocator's peak on CUDA. ``held`` and
+    ``gradients``: a trainer's own counts (DeepSpeed's engine counts its partitions)."""
+    held = held or held_bytes(model, optimizer)  # under FSDP: this rank's shards; ZeRO-1: its share
+    if gradients is None:  # the gradients a step holds (after zero_grad(set_to_none) none are left)
+        gradients = sum(local(p).numel() * local(p).element_size() for p in model.parameters()
+                        if p.requires_grad)
     report = {
         "parameters_MiB": held["parameters"] / MIB,
-        # the gradients a step holds (after zero_grad(set_to_none) there are none to count)
-        "gradients_MiB": sum(p.numel() * p.element_size() for p in params if p.requires_grad) / MIB,
+        "gradients_MiB": gradients / MIB,
         "optimizer_MiB": held["optimizer_state"] / MIB,
     }
     peak = dev.peak_memory_bytes(device)

@@ -109,8 +109,7 @@ class Trainer:
         self.lat_weights = latitude_weights(cfg.img_size[0], self.device)
         self.profiling = ProfilingWindow(cfg, self.device, ctx.run_dir, ctx.rank,
                                          self.train_data.batches_per_epoch)
-        self.memory_record = MemoryRecord(cfg, self.device, ctx.run_dir, ctx.rank,
-                                          lambda: reporting.held_bytes(self.model, self.optimizer))
+        self.memory_record = MemoryRecord(cfg, self.device, ctx.run_dir, ctx.rank, self.held_bytes)
         self.step = 0  # optimizer steps done
         self.epoch_loss = torch.zeros((), device=self.device)  # running sum in this epoch
         self.epoch_steps = 0
@@ -294,14 +293,26 @@ class Trainer:
         self.model.eval()
         self.mark("validation")
         self.valid_data.set_epoch(0)
-        pad_to = 0  # FSDP gathers weights (expert parallelism exchanges tokens) in every forward:
-        # every dp rank runs as many batches
-        if sharding.fsdp_active(self.cfg, self.ctx.mesh) or self.ctx.mesh.expert_parallel > 1:
+        pad_to = 0
+        if self.gathers_in_forward():  # every dp rank runs as many batches
             most = torch.tensor(float(self.valid_data.batches_per_epoch), device=self.device)
             pad_to = int(all_reduce_max(most, self.ctx.dp_group).item())
         batches = (self.to_device(inp, tar) for inp, tar in self.valid_data)
         return validation.evaluate(self.predict, batches, self.cfg.n_out_channels, self.lat_weights,
                                    self.metric_groups(), pad_to)
+
+    def gathers_in_forward(self) -> bool:
+        """Whether every forward runs collectives over the data-parallel ranks: FSDP gathers
+        weights, expert parallelism exchanges tokens."""
+        return sharding.fsdp_active(self.cfg, self.ctx.mesh) or self.ctx.mesh.expert_parallel > 1
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients and optimizer state (training/reporting.py)."""
+        return reporting.held_bytes(self.model, self.optimizer)
+
+    def gradient_bytes(self) -> int | None:
+        """The gradients a step holds; None: as many as the trainable parameters (reporting.py)."""
+        return None
 
     # --------------------------------------------------------------- checkpoints ---
     @property
@@ -358,7 +369,8 @@ class Trainer:
     def log_epoch(self, epoch: int, seconds: float, steps: int, train_loss: float,
                   val: dict[str, Any], val_seconds: float) -> None:
         samples = steps * self.local_batch * self.ctx.dp_size
-        memory = reporting.memory_report(self.raw_model, self.optimizer, self.device)
+        memory = reporting.memory_report(self.raw_model, self.optimizer, self.device, self.held_bytes(),
+                                         self.gradient_bytes())
         norms = torch.stack(self.grad_norms).tolist() if self.grad_norms else None  # one host sync
         self.grad_norms = []
         extra = {"build_peak_MiB": self.build_peak_MiB} if self.build_peak_MiB is not None else {}

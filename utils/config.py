@@ -29,6 +29,7 @@ LR_SCHEDULES = ("cosine", "constant", "onecycle")
 OPTIMIZERS = ("Adam", "AdamW", "LAMB", "SGD")
 DATA_PARALLEL = ("ddp", "zero1", "fsdp", "hsdp")
 GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
+ENGINES = ("native", "deepspeed")  # deepspeed: training/deepspeed_engine.py
 ATTENTION_KERNELS = ("auto", "default", "flash", "efficient", "cudnn", "math")  # utils/attention.py
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ADAM_BETAS = (0.9, 0.95)  # beta2 0.95, as the tutorial: steadier with large batches
@@ -142,7 +143,15 @@ class Config:
                            "gradients between them (0: the ranks of one node)", "data parallel")
     cpu_offload: bool = key(False, "fsdp / hsdp: keep the parameters, gradients and Adam's state in "
                                    "host memory (FSDP2's CPUOffloadPolicy); the optimizer steps on "
-                                   "the CPU", "data parallel")
+                                   "the CPU. --engine deepspeed: ZeRO-Offload (Adam's state and step "
+                                   "on the CPU; the parameters too at --zero_stage 3)", "data parallel")
+    engine: str = key("native", "who runs the step: native (this project's loop and layouts) or "
+                                "deepspeed (DeepSpeed's engine: wrapping, backward, step, accumulation, "
+                                "clipping; install with `make deepspeed`)", "data parallel",
+                      choices=ENGINES)
+    zero_stage: int = key(0, "--engine deepspeed: what its ZeRO partitions over the data-parallel "
+                             "ranks: 0 nothing (DDP), 1 optimizer state, 2 and gradients, 3 and "
+                             "parameters", "data parallel")
     reshard_after_forward: bool = key(True, "fsdp: free the gathered parameters after forward and "
                                             "gather them again in backward (ZeRO-3; "
                                             "--no-reshard_after_forward keeps them: ZeRO-2)",
@@ -214,7 +223,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "sequence_parallel", "expert_parallel", "bucket_cap_mb", "disable_broadcast_buffers",
     "rendezvous_timeout_s", "collective_timeout_s",
     "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",
-    "dp_shard", "cpu_offload",
+    "dp_shard", "cpu_offload", "engine", "zero_stage",
     "pipeline_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",
 })
 

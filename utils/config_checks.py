@@ -112,7 +112,37 @@ def _check_values(cfg: Config) -> None:
         )
 
 
+def _check_deepspeed(cfg: Config) -> None:
+    """What DeepSpeed's engine runs here (training/deepspeed_engine.py): its ZeRO stages over plain
+    data parallelism, with torch's Adam or AdamW (or SGD), in fp32 or bf16."""
+    if cfg.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"config key 'zero_stage' must be 0, 1, 2 or 3, got {cfg.zero_stage}")
+    if cfg.engine == "native":
+        if cfg.zero_stage:
+            raise ValueError("--zero_stage is DeepSpeed's: add --engine deepspeed (this project's own "
+                             "sharding is --data_parallel zero1 or fsdp)")
+        return
+    refused = [
+        (cfg.data_parallel != "ddp", f"--data_parallel {cfg.data_parallel} (DeepSpeed shards with "
+                                     f"--zero_stage; leave --data_parallel ddp)"),
+        (cfg.optimizer_type == "LAMB", "--optimizer LAMB (DeepSpeed's LAMB has no CPU build; use Adam "
+                                       "or AdamW)"),
+        (cfg.amp_mode == "fp16", "--amp_mode fp16 (use bf16, which needs no loss scaling)"),
+        (cfg.cpu_offload and cfg.zero_stage == 0, "--cpu_offload at --zero_stage 0 (ZeRO-Offload "
+                                                  "needs stage 1, 2 or 3)"),
+        (cfg.grad_compression != "none", f"--grad_compression {cfg.grad_compression} (a DDP hook; "
+                                         f"DeepSpeed reduces gradients itself)"),
+        (cfg.noddp, "--noddp"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"--engine deepspeed does not run {what}")
+
+
 def _check_data_parallel(cfg: Config) -> None:
+    _check_deepspeed(cfg)
+    if cfg.engine == "deepspeed":  # its own sharding and offload, checked above
+        return
     if cfg.cpu_offload and cfg.data_parallel not in ("fsdp", "hsdp"):
         raise ValueError(f"--cpu_offload moves FSDP's shards to host memory; use it with "
                          f"--data_parallel fsdp or hsdp, not {cfg.data_parallel}")

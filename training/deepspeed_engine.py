@@ -1,0 +1,325 @@
+"""The same training on DeepSpeed's engine (``train.py --engine deepspeed``).
+
+What changes against the plain Trainer, all here; the model, data, loss, validation, logging,
+checkpoints and run directories are the Trainer's:
+
+* **Wrapping.** The serial model (the same weights from the seed) and torch's Adam go to
+  ``deepspeed.initialize`` with a config generated from the run's keys (:func:`ds_config`,
+  written to RUN_DIR/ds_config.json). The engine it returns is the model from then on:
+  ZeRO stage 1 splits Adam's state over the data-parallel ranks, 2 the gradients too, 3 the
+  parameters too (gathered layer by layer in forward and backward); 0 is plain data parallel.
+* **The step.** ``engine.backward(loss)`` replaces ``loss.backward()`` (it divides by the
+  accumulation steps and reduces gradients at the last micro-batch) and ``engine.step()``
+  replaces clipping, ``optimizer.step()`` and ``zero_grad``; it is called after every
+  micro-batch and steps the optimizer only at the last one.
+* **Precision.** ``--amp_mode bf16`` is DeepSpeed's bf16 mode: the model's weights in bf16, an
+  fp32 master copy in the optimizer (not torch's autocast, which keeps fp32 weights).
+* **Checkpoints** are the project's consolidated ones (whole fp32 tensors with the serial
+  names, Adam's moments as torch writes them): DeepSpeed's tensor-fragment functions
+  (``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state`` and their ``set``
+  partners) assemble each tensor from the ranks' partitions and scatter it back, so a
+  DeepSpeed run continues in ``--engine native`` (any layout) and the reverse, exactly.
+
+The learning-rate schedule stays the project's (a LambdaLR on the optimizer DeepSpeed steps):
+DeepSpeed's own schedulers (WarmupCosineLR, OneCycle, LRRangeTest) ramp differently, see
+docs/10-deepspeed.md. DeepSpeed is an optional install (``make deepspeed``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed import consolidate
+from distributed.parallelize import apply_activation_checkpointing, materialize, serial_values
+from networks.vit import build_vit, count_parameters
+from training.context import RunContext
+from training.trainer import Trainer
+from utils import checkpoint as ckpt
+from utils import device as dev
+from utils.config import Config
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "ds_config.json"
+
+# DeepSpeed 0.19 still calls the collectives torch 2.13 renamed; one warning per call otherwise
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+INSTALL_HINT = "run `make deepspeed` (it pip-installs requirements-deepspeed.txt into .venv)"
+
+
+def import_deepspeed() -> Any:
+    """The deepspeed module, or a one-line error saying how to install it."""
+    # DeepSpeed compiles its CPU all-reduce with torch's extension builder, which runs the first
+    # `ninja` on PATH; the one installed with DeepSpeed, beside this interpreter, is used whatever
+    # the PATH (two ninja versions would each rebuild what the other built: 25 s a run)
+    bin_dir = str(Path(sys.executable).parent)
+    if (Path(bin_dir) / "ninja").exists() and os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    try:
+        import deepspeed
+    except ImportError as err:
+        missing = getattr(err, "name", None) == "deepspeed"
+        raise ValueError(f"--engine deepspeed needs DeepSpeed, which is not installed here: {INSTALL_HINT}"
+                         if missing else f"--engine deepspeed: importing DeepSpeed failed ({err}); "
+                                         f"reinstall it: {INSTALL_HINT}") from None
+    return deepspeed
+
+
+def build_ops() -> None:
+    """Compile DeepSpeed's shared-memory all-reduce for CPU ranks now (make deepspeed), not in the
+    first run; where no compiler exists DeepSpeed reduces through gloo alone and this says so."""
+    import time
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    deepspeed = import_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None:  # a GPU accelerator: NCCL reduces, nothing to build
+        log.info("DeepSpeed %s: nothing to build on %s", deepspeed.__version__,
+                 get_accelerator().device_name())
+        return
+    if not builder.is_compatible():
+        log.info("DeepSpeed %s: no C++ compiler for its CPU all-reduce; runs reduce through gloo",
+                 deepspeed.__version__)
+        return
+    start = time.time()
+    builder.load()
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")
+    log.info("DeepSpeed %s: its CPU all-reduce (%s) is built (%.0f s), cached under %s",
+             deepspeed.__version__, builder.NAME, time.time() - start, cache)
+
+
+def ds_config(cfg: Config, local_batch: int, dp_size: int, device: torch.device) -> dict[str, Any]:
+    """DeepSpeed's configuration for this run, key by key from the project's (docs/10-deepspeed.md)."""
+    micro = local_batch // cfg.grad_accum_steps
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    if cfg.cpu_offload:  # ZeRO-Offload: Adam's state (and its step) in host memory
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+        if cfg.zero_stage == 3:  # ZeRO-Infinity's parameter offload: the partitions too
+            zero["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    return {
+        # DeepSpeed checks that batch = micro-batch x accumulation steps x data-parallel ranks
+        "train_batch_size": micro * cfg.grad_accum_steps * dp_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        "gradient_clipping": cfg.grad_clip_norm,  # 0: no clipping (the global norm over all ranks)
+        "bf16": {"enabled": cfg.amp_mode == "bf16"},
+        "zero_optimization": zero,
+        # the optimizer is torch's (sharding.build_optimizer), which ZeRO calls "untested", and
+        # stays torch's when offloaded (DeepSpeedCPUAdam would be compiled on first use)
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,  # the Trainer logs; DeepSpeed's own step lines off
+    }
+
+
+class DeepSpeedTrainer(Trainer):
+    """The Trainer with DeepSpeed's engine doing wrapping, backward, step, accumulation and clipping."""
+
+    def __init__(self, cfg: Config, ctx: RunContext, local_batch: int) -> None:
+        self.deepspeed = import_deepspeed()
+        self.ds_config = ds_config(cfg, local_batch, ctx.dp_size, ctx.device)
+        super().__init__(cfg, ctx, local_batch)
+        # bf16 is the engine's: the weights are bf16 already, autocast would only add casts
+        self.amp_mode = "none"
+        self.input_dtype = torch.bfloat16 if cfg.amp_mode == "bf16" else None
+        log.info("DeepSpeed %s engine, ZeRO stage %d%s; its config: %s", self.deepspeed.__version__,
+                 cfg.zero_stage, " with CPU offload" if cfg.cpu_offload else "", ctx.run_dir / CONFIG_NAME)
+
+    def fit(self) -> dict[str, Any]:
+        if self.ctx.is_main:  # the run directory is locked now: what ran, beside config.yaml
+            text = json.dumps(self.ds_config, indent=2) + "\n"
+            ckpt.write_text_atomic(self.ctx.run_dir / CONFIG_NAME, text)
+        return super().fit()
+
+    # ------------------------------------------------------------------ building ---
+    def build_model(self) -> nn.Module:
+        """The serial model with the seed's weights, whole on every rank: DeepSpeed partitions it."""
+        with torch.device("meta"):
+            serial = build_vit(self.cfg)
+        self.n_params = count_parameters(serial)
+        values = serial_values(serial, self.cfg.seed)
+        model = apply_activation_checkpointing(serial, self.cfg.activation_checkpointing)
+        if self.cfg.enable_jit:
+            for block in model.blocks.values():
+                block.compile()
+        return materialize(model, self.ctx.mesh, self.device, values)
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """Torch's optimizer, handed to ``deepspeed.initialize`` with the model; ``self.model``
+        becomes the engine. Returns the optimizer that steps (under ZeRO: over the flat fp32
+        partitions this rank owns), on which the project's schedule sets the learning rate."""
+        if not dist.is_initialized():  # one process: DeepSpeed still wants a process group...
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            for name in ("LOCAL_RANK", "RANK"):  # ...and the variables a launcher would set
+                os.environ.setdefault(name, "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+        client = super().build_optimizer()
+        # the param groups' format of a checkpoint this engine writes (indices, hyperparameters)
+        self.client_groups = client.state_dict()["param_groups"]
+        engine, optimizer, _, _ = self.deepspeed.initialize(model=self.model, optimizer=client,
+                                                            config=self.ds_config, dist_init_required=False)
+        self.model = engine
+        self.ds_optimizer = optimizer  # ZeRO's (or bf16's) wrapper, or torch's Adam itself
+        return getattr(optimizer, "optimizer", optimizer)
+
+    # --------------------------------------------------------------------- steps ---
+    def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        return super().forward_loss(self.cast(inp), tar)
+
+    def predict(self, inp: torch.Tensor) -> torch.Tensor | None:
+        return super().predict(self.cast(inp))
+
+    def cast(self, inp: torch.Tensor) -> torch.Tensor:
+        return inp if self.input_dtype is None else inp.to(self.input_dtype)
+
+    def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        n = self.cfg.grad_accum_steps
+        total = torch.zeros((), device=self.device)
+        for x, y in zip(inp.chunk(n), tar.chunk(n)):
+            self.mark("forward")
+            with dev.nvtx_range("forward"):
+                loss = self.forward_loss(x, y)
+                objective = loss + self.balancing_loss()
+            self.mark("backward")
+            with dev.nvtx_range("backward"):
+                self.model.backward(objective)  # / n; the gradients reduced at the last micro-batch
+            self.mark("optimizer step")
+            with dev.nvtx_range("optimizer"):
+                self.model.step()  # clip, step, zero the gradients: at the last micro-batch only
+            total += loss.detach() / n
+        self.scheduler.step()
+        norm = self.model.get_global_grad_norm()  # before clipping; None where DeepSpeed keeps none
+        if self.cfg.grad_clip_norm and norm is not None:  # (stage 0 in fp32 clips with torch's function)
+            self.grad_norms.append(torch.as_tensor(float(norm)))
+        if self.moe_layers:
+            self.moe_stats.append((torch.stack([m.stats for m in self.moe_layers]),
+                                   torch.stack([m.aux_loss.detach() for m in self.moe_layers])))
+        return total
+
+    def gathers_in_forward(self) -> bool:
+        return self.cfg.zero_stage == 3  # every forward gathers parameters: ranks in lockstep
+
+    # ------------------------------------------------------------------- memory ---
+    def held_bytes(self) -> dict[str, int]:
+        """What this rank holds: the working parameters (ZeRO-3: its partition), and as optimizer
+        state the fp32 master partitions with Adam's moments (as the ZeRO paper counts them)."""
+        def size(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        working = [getattr(p, "ds_tensor", p) for p in self.raw_model.parameters()]
+        own = {id(p) for p in self.raw_model.parameters()}
+        masters = [p for p in self.master_partitions() if id(p) not in own]
+        state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return {"parameters": sum(size(p) for p in working),
+                "gradients": sum(size(p.grad) for p in self.raw_model.parameters() if p.grad is not None),
+                "optimizer_state": sum(size(p) for p in masters) + sum(size(v) for v in state)}
+
+    def master_partitions(self) -> list[torch.Tensor]:
+        """The flat fp32 tensors the optimizer steps (this rank's partitions under ZeRO). ZeRO-3
+        puts them in the optimizer's param groups only during its step, so they come from it."""
+        flat = getattr(self.ds_optimizer, "fp32_partitioned_groups_flat", None)
+        if flat is not None:
+            return list(flat)
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def gradient_bytes(self) -> int | None:
+        """The gradients a step holds: whole at stages 0 and 1, this rank's partition at 2 and 3
+        (in the master's fp32 when the weights are bf16)."""
+        numel = sum(getattr(p, "ds_numel", p.numel()) for p in self.raw_model.parameters())
+        if self.cfg.zero_stage >= 2:
+            numel = -(-numel // self.ctx.dp_size)
+        return numel * 4
+
+    # --------------------------------------------------------------- checkpoints ---
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """Whole fp32 tensors with the serial names (collective: each is assembled from the ranks'
+        partitions); without a master copy (stage 0 in fp32) the weights themselves."""
+        frag = self.deepspeed.utils
+        state = {}
+        for name, p in self.raw_model.named_parameters():
+            full = frag.safe_get_full_fp32_param(p)
+            state[name] = (p if full is None else full).detach().clone()
+        return state
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Each tensor into the master copy (this rank's partition of it) and into the weights
+        (ZeRO-3: gathered, written, partitioned again)."""
+        frag = self.deepspeed.utils
+        params = dict(self.raw_model.named_parameters())
+        consolidate.check_names(params, state)
+        for name, p in params.items():
+            frag.safe_set_full_fp32_param(p, state[name].to(self.device, torch.float32))
+            gathered = self.deepspeed.zero.GatheredParameters([p], modifier_rank=0,
+                                                              enabled=self.cfg.zero_stage == 3)
+            with gathered, torch.no_grad():
+                p.copy_(state[name].to(p.device, p.dtype))
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """torch's optimizer state dict for the serial model's parameters (indices in their order)."""
+        groups = [{**g, "lr": self.optimizer.param_groups[0]["lr"],
+                   "initial_lr": self.optimizer.param_groups[0].get("initial_lr", g["lr"])}
+                  for g in self.client_groups]
+        if self.optimizer is self.ds_optimizer:  # stage 0 in fp32: torch's optimizer on the weights
+            return self.optimizer.state_dict()
+        inner = self.optimizer.state
+        if not inner:  # no step yet: nothing learned
+            return {"state": {}, "param_groups": groups}
+        first = next(iter(inner.values()))
+        keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]  # per element
+        frag = self.deepspeed.utils
+        state = {}
+        for i, p in enumerate(self.raw_model.parameters()):
+            # the step count is one per partition here, one per parameter in torch's format: each
+            # its own tensor (Adam adds 1 to each in place; shared, one would count every parameter)
+            state[i] = {k: v.clone() if torch.is_tensor(v) else v for k, v in first.items() if k not in keys}
+            state[i].update({k: frag.safe_get_full_optimizer_state(p, k).detach().clone() for k in keys})
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if self.optimizer is self.ds_optimizer:
+            self.optimizer.load_state_dict(state)
+            return
+        saved = state["param_groups"][0]
+        for group in self.optimizer.param_groups:
+            group["lr"] = saved["lr"]
+            group["initial_lr"] = saved.get("initial_lr", saved["lr"])
+        if not state["state"]:
+            return
+        first = state["state"][0]
+        keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]
+        # DeepSpeed's optimizer creates its state in its first step; the set functions write
+        # into it, so it is created here as that step would (zeros, then overwritten)
+        for flat in self.master_partitions():
+            entry = self.optimizer.state[flat]
+            entry.update({k: v.clone() if torch.is_tensor(v) else v for k, v in first.items()
+                          if k not in keys})
+            for k in keys:
+                entry[k] = torch.zeros_like(flat)
+        link = getattr(self.ds_optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # stages 1-2 and bf16: point each parameter's fragment at the new state
+            self.ds_optimizer._hp_optimizer_states_linked = False
+            link()
+        frag = self.deepspeed.utils
+        for i, p in enumerate(self.raw_model.parameters()):
+            for k in keys:
+                frag.safe_set_full_optimizer_state(p, state["state"][i][k].to(self.device, torch.float32), k)
+
+
+def trainer_for(cfg: Config, script_trainer: type[Trainer]) -> type[Trainer]:
+    """The script's Trainer on DeepSpeed's engine (a subclass that changes the step, as the tests'
+    fault-injecting one does, keeps its changes around the engine's step)."""
+    if script_trainer is Trainer:
+        return DeepSpeedTrainer
+    return type(f"DeepSpeed{script_trainer.__name__}", (script_trainer, DeepSpeedTrainer), {})
