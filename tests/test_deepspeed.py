@@ -1,10 +1,13 @@
 """DeepSpeed's engine (train.py --engine deepspeed) against the serial run: ZeRO stages 1-3 with
-accumulation and clipping, a stop signal and an exact resume, checkpoints that cross between the
-engines both ways, DeepSpeed's own launcher; the generated config; the refusals.
+accumulation and clipping, checkpoints that cross between the engines both ways (ZeRO-2 to native
+to ZeRO-1), a stop signal and an exact resume (ZeRO-3); the generated config; the refusals.
 
-The runs are train.py's (the fault-injecting tests/ddp_worker.py), 6 steps of global batch 8 as
-test_sharded.py's, clipped (every step: the norms are about 0.28) with Adam. Without DeepSpeed
-installed (`make deepspeed`) the engine's runs are skipped, unless REQUIRE_DEEPSPEED is set (CI).
+Every run is 8 steps of global batch 8 (2 steps per epoch, the test model of test_sharded.py),
+clipped on every step (the norms are about 0.28) with Adam at a constant rate (so that a run
+continued with a larger --num_iters is the same run). The engine's runs take 2 micro-batches per
+step. Without DeepSpeed installed (`make deepspeed`) they are skipped, unless REQUIRE_DEEPSPEED
+is set (CI): then the last test fails. DeepSpeed's own launcher runs in the course check
+(docs/10-deepspeed.md), which checks that it passed --local_rank.
 """
 
 from __future__ import annotations
@@ -12,33 +15,34 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, make_cfg, subprocess_env
+from tests.conftest import make_cfg
 from tests.ddp_helpers import metrics, run, train_args, write_test_yaml
+from tests.dist_spawn import run_ranks
 from tests.test_sharded import assert_same_losses
 from training import deepspeed_engine
-from utils.checkpoint import CHECKPOINT_NAME
 from utils.signals import EXIT_STOPPED
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
 def engine_runs(test):
-    """The engine's multi-rank runs: one worker (they share the module's reference runs), and
-    skipped without DeepSpeed, except in CI (REQUIRE_DEEPSPEED: the last test fails instead)."""
+    """The engine's runs: one worker (they share the module's serial run), and skipped without
+    DeepSpeed, except in CI (REQUIRE_DEEPSPEED: the last test fails instead)."""
     for mark in (pytest.mark.deepspeed, pytest.mark.timeout(300), pytest.mark.xdist_group("deepspeed"),
                  pytest.mark.skipif(not HAVE_DEEPSPEED and not os.environ.get("REQUIRE_DEEPSPEED"),
                                     reason="DeepSpeed is not installed (make deepspeed)")):
         test = mark(test)
     return test
-COMMON = {"limit_nsamples": 16, "limit_nsamples_val": 33, "grad_clip_norm": 0.05, "stop_check_every": 1}
+
+
+COMMON = {"num_iters": 8, "limit_nsamples": 16, "limit_nsamples_val": 33, "grad_clip_norm": 0.05,
+          "lr_schedule": "constant", "stop_check_every": 1}
 ENGINE = {"engine": "deepspeed", "grad_accum_steps": 2}
 
 
@@ -46,12 +50,11 @@ def args(yaml: Path, data_dir: Path, expdir: Path, **extra) -> list[str]:
     return train_args(yaml, data_dir, expdir, **{**COMMON, **extra})
 
 
-def ok(result: subprocess.CompletedProcess, code: int = 0) -> None:
-    assert result.returncode == code, result.stdout[-3000:] + result.stderr[-3000:]
+def config(yaml: Path, data_dir: Path, expdir: Path, **extra):
+    """The Config train.py builds from these flags."""
+    from training.launcher import arg_parser, resolve_config
 
-
-def folder(expdir: Path, ranks: int, stage: int | None = None) -> Path:
-    return Path(expdir) / "tiny" / (f"{ranks}GPU" + ("" if stage is None else f"_ds{stage}")) / "00"
+    return resolve_config(arg_parser().parse_args(args(yaml, data_dir, expdir, **extra)))
 
 
 @pytest.fixture(scope="module")
@@ -62,65 +65,69 @@ def test_yaml(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def serial(data_dir, test_yaml, tmp_path_factory) -> list[dict]:
     expdir = tmp_path_factory.mktemp("ds_serial")
-    ok(run(1, args(test_yaml, data_dir, expdir)))
-    return metrics(folder(expdir, 1))
+    result = run(1, args(test_yaml, data_dir, expdir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return metrics(expdir / "tiny" / "1GPU" / "00")
 
 
-@pytest.fixture(scope="module")
-def native_stopped(data_dir, test_yaml, tmp_path_factory) -> Path:
-    """A native run (one process) stopped by a signal in step 3: its checkpoint at step 4."""
-    expdir = tmp_path_factory.mktemp("ds_native_stopped")
-    ok(run(1, args(test_yaml, data_dir, expdir), DDP_TEST_SIGNAL_AT="0:3"), EXIT_STOPPED)
-    return folder(expdir, 1)
+def _engines_on_ranks(cfgs: dict, root: Path) -> None:
+    """Every run of the list in turn on this rank (2 ranks, gloo): ZeRO-1 from the start; then
+    one run folder taken over by ZeRO-2 to step 4, the native engine (DDP) to step 6 and ZeRO-1
+    to step 8, each resuming the checkpoint the other wrote."""
+    from distributed.mesh import build_mesh
+    from training.context import RunContext
+    from training.trainer import Trainer
+
+    rank = torch.distributed.get_rank()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")  # what DeepSpeed reads
+    mesh = build_mesh({}, cfgs["zero1"].parallel_order, "cpu")
+    for name, folder in (("zero1", "zero1"), ("zero2_to_4", "chain"), ("native_to_6", "chain"),
+                         ("zero1_to_8", "chain")):
+        cfg = cfgs[name]
+        ctx = RunContext(device=torch.device("cpu"), run_dir=root / folder, rank=rank, world_size=2,
+                         mesh=mesh)
+        trainer_cls = deepspeed_engine.DeepSpeedTrainer if cfg.engine == "deepspeed" else Trainer
+        trainer = trainer_cls(cfg, ctx, cfg.global_batch_size // 2)
+        trainer.fit()
+        assert trainer.step == cfg.num_iters
 
 
 @engine_runs
-def test_zero3_stops_resumes_exactly_and_continues_in_the_native_engine(serial, data_dir, test_yaml,
-                                                                        tmp_path):
-    """ZeRO-3 on 2 ranks: a signal in step 2 checkpoints (step 4) and exits with the stop status;
-    the rerun resumes; every logged loss is the serial run's. Its step-4 checkpoint, copied to a
-    native one-process run, continues to the serial run's last loss too."""
-    stage = 3
-    flags = args(test_yaml, data_dir, tmp_path, **ENGINE, zero_stage=stage)
+def test_zero1_and_zero2_log_the_serial_losses_and_checkpoints_cross_between_engines(serial, data_dir,
+                                                                                     test_yaml, tmp_path):
+    """On 2 ranks with 2 micro-batches and clipping: ZeRO-1 logs the serial run's losses and
+    gradient norms; ZeRO-2's checkpoint (step 4) continues in the native engine, whose checkpoint
+    (step 6) continues on ZeRO-1, every epoch still the serial run's."""
+    cfgs = {"zero1": config(test_yaml, data_dir, tmp_path, **ENGINE, zero_stage=1),
+            "zero2_to_4": config(test_yaml, data_dir, tmp_path, **ENGINE, zero_stage=2, num_iters=4),
+            "native_to_6": config(test_yaml, data_dir, tmp_path, num_iters=6),
+            "zero1_to_8": config(test_yaml, data_dir, tmp_path, **ENGINE, zero_stage=1)}
+    run_ranks(2, _engines_on_ranks, cfgs, tmp_path)
+    for folder in ("zero1", "chain"):
+        logged = metrics(tmp_path / folder)
+        assert [m["step"] for m in logged] == [2, 4, 6, 8], folder
+        assert_same_losses(serial, logged)
+
+
+@engine_runs
+def test_a_stop_signal_checkpoints_and_the_rerun_resumes_exactly(serial, data_dir, test_yaml, tmp_path):
+    """train.py --engine deepspeed --zero_stage 3 under torchrun, as users run it: a signal in step
+    2 stops both ranks at step 4 with the stop status after the checkpoint; the same command again
+    resumes there; every epoch logs the serial run's losses; ds_config.json says what ran."""
+    flags = args(test_yaml, data_dir, tmp_path, **ENGINE, zero_stage=3)
     first = run(2, flags, DDP_TEST_SIGNAL_AT="0:2")
-    assert first.returncode != 0 and "stopping at step 4 of 6" in first.stdout + first.stderr
-    run_dir = folder(tmp_path, 2, stage)
+    out = first.stdout + first.stderr
+    assert first.returncode != 0 and f"exitcode  : {EXIT_STOPPED}" in out and "stopping at step 4 of 8" in out
+    run_dir = tmp_path / "tiny" / "2GPU_ds3" / "00"
     assert [m["step"] for m in metrics(run_dir)] == [2, 4]
-    native = folder(tmp_path / "native", 1)
-    native.mkdir(parents=True)
-    shutil.copy(run_dir / CHECKPOINT_NAME, native / CHECKPOINT_NAME)
-    ok(run(2, flags))
+    second = run(2, flags)
+    assert second.returncode == 0 and "resumed from" in second.stdout + second.stderr, second.stderr[-3000:]
     logged = metrics(run_dir)
-    assert [m["step"] for m in logged] == [2, 4, 6]
+    assert [m["step"] for m in logged] == [2, 4, 6, 8]
     assert_same_losses(serial, logged)
     written = json.loads((run_dir / deepspeed_engine.CONFIG_NAME).read_text())
-    assert written["zero_optimization"] == {"stage": stage} and written["gradient_accumulation_steps"] == 2
-    ok(run(1, args(test_yaml, data_dir, tmp_path / "native")))
-    continued = metrics(native)
-    assert [m["step"] for m in continued] == [6]
-    assert_same_losses(serial, continued)
-
-
-@engine_runs
-def test_native_checkpoint_continues_on_zero1_and_the_deepspeed_launcher_runs_zero2(
-        serial, native_stopped, data_dir, test_yaml, tmp_path):
-    """A native checkpoint (step 4) continues on DeepSpeed at ZeRO-1 (2 ranks, torchrun) with the
-    serial run's losses; ZeRO-2 started by DeepSpeed's launcher (`deepspeed --num_gpus 2`, which
-    passes --local_rank) logs the serial run's losses from the start."""
-    target = folder(tmp_path / "zero1", 2, 1)
-    target.mkdir(parents=True)
-    shutil.copy(native_stopped / CHECKPOINT_NAME, target / CHECKPOINT_NAME)
-    ok(run(2, args(test_yaml, data_dir, tmp_path / "zero1", **ENGINE, zero_stage=1)))
-    assert_same_losses(serial, metrics(target))
-    assert [m["step"] for m in metrics(target)] == [6]
-
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-                str(REPO / "tests" / "ddp_worker.py")]
-    result = subprocess.run(launcher + args(test_yaml, data_dir, tmp_path / "zero2", **ENGINE, zero_stage=2),
-                            cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=240)
-    ok(result)
-    assert "--local_rank=1" in result.stdout + result.stderr  # the launcher's own way was taken
-    assert_same_losses(serial, metrics(folder(tmp_path / "zero2", 2, 2)))
+    assert written["zero_optimization"] == {"stage": 3} and written["gradient_accumulation_steps"] == 2
+    assert written["gradient_clipping"] == 0.05 and written["train_batch_size"] == 8
 
 
 # ----------------------------------------------------------------- no ranks needed ---

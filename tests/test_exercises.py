@@ -20,7 +20,7 @@ from utils.data_loader import ERA5Dataset
 
 VARIANT = os.environ.get("EXERCISE_VARIANT", "solution")
 NAMES = ("sample_index", "amp_step", "allreduce_grads", "compress_hook", "tp_mlp", "tp_mlp_split",
-         "grad_accum", "pipeline_balance", "lamb_trust", "dispatch")
+         "grad_accum", "pipeline_balance", "lamb_trust", "dispatch", "zero_memory")
 
 
 def exercise(name: str, variant: str = VARIANT):
@@ -50,7 +50,8 @@ def test_shipped_exercises_are_unsolved(name, tmp_path):
     them. (Your own edits to them are not looked at here: `make exercise NAME=...` checks those.)"""
     module = shipped_exercise(name, tmp_path)
     functions = ("locate", "amp_step", "average_gradients", "bf16_hook", "shard_mlp", "tp_mlp_forward",
-                 "accumulate_gradients", "balance_stages", "lamb_update", "dispatch_plan")
+                 "accumulate_gradients", "balance_stages", "lamb_update", "dispatch_plan",
+                 "zero_bytes_per_rank")
     fn = next(getattr(module, f) for f in functions if hasattr(module, f))
     with pytest.raises(NotImplementedError, match="exercise"):
         fn(*([None] * fn.__code__.co_argcount))
@@ -443,3 +444,24 @@ def test_dispatch():
             f"not e % ep)")
         assert torch.equal(expert[order], expert[want_order]), "order does not sort by expert"
         assert torch.equal(order, want_order), "within an expert keep token order: a stable sort"
+
+
+def test_zero_memory():
+    """The ZeRO paper's Figure 1 (Rajbhandari et al., 2020): 7.5B parameters, mixed-precision Adam
+    (K = 12), 64 data-parallel ranks: 120, 31.4, 16.6 and 1.9 GB per device at stages 0-3; and one
+    rank holds everything at every stage."""
+    per_rank = exercise("zero_memory").zero_bytes_per_rank
+    paper_gb = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+    hints = {1: "stage 1 splits only the optimizer state (weights and gradients stay whole)",
+             2: "stage 2 splits the gradients too, the weights stay whole",
+             3: "stage 3 splits everything"}
+    for stage, gb in paper_gb.items():
+        got = per_rank(7_500_000_000, 64, stage)
+        assert got is not None and set(got) == {"parameters", "gradients", "optimizer_state"}, \
+            "return a dict with parameters, gradients and optimizer_state"
+        total = sum(got.values()) / 1e9
+        assert round(total, 1) == gb, f"stage {stage}: {total:.2f} GB per rank, the paper has {gb}. " \
+            + hints.get(stage, "stage 0 holds 2 + 2 + 12 bytes per parameter")
+    for stage in range(4):
+        assert per_rank(1000, 1, stage, 4, 4, 8) == {"parameters": 4000, "gradients": 4000,
+                                                     "optimizer_state": 8000}

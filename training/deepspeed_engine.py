@@ -45,6 +45,7 @@ from networks.vit import build_vit, count_parameters
 from training.context import RunContext
 from training.trainer import Trainer
 from utils import checkpoint as ckpt
+from utils import compat
 from utils import device as dev
 from utils.config import Config
 
@@ -140,6 +141,7 @@ class DeepSpeedTrainer(Trainer):
     def fit(self) -> dict[str, Any]:
         if self.ctx.is_main:  # the run directory is locked now: what ran, beside config.yaml
             text = json.dumps(self.ds_config, indent=2) + "\n"
+            self.ctx.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.write_text_atomic(self.ctx.run_dir / CONFIG_NAME, text)
         return super().fit()
 
@@ -235,12 +237,12 @@ class DeepSpeedTrainer(Trainer):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def gradient_bytes(self) -> int | None:
-        """The gradients a step holds: whole at stages 0 and 1, this rank's partition at 2 and 3
-        (in the master's fp32 when the weights are bf16)."""
+        """The gradients a step holds: whole at stages 0 and 1, this rank's partition at 2 and 3,
+        in the weights' precision (DeepSpeed's default ``grad_accum_dtype``)."""
         numel = sum(getattr(p, "ds_numel", p.numel()) for p in self.raw_model.parameters())
         if self.cfg.zero_stage >= 2:
             numel = -(-numel // self.ctx.dp_size)
-        return numel * 4
+        return numel * (2 if self.input_dtype == torch.bfloat16 else 4)
 
     # --------------------------------------------------------------- checkpoints ---
     def model_state(self) -> dict[str, torch.Tensor]:
@@ -307,10 +309,7 @@ class DeepSpeedTrainer(Trainer):
                           if k not in keys})
             for k in keys:
                 entry[k] = torch.zeros_like(flat)
-        link = getattr(self.ds_optimizer, "_lazy_init_hp_params_optimizer_state", None)
-        if link is not None:  # stages 1-2 and bf16: point each parameter's fragment at the new state
-            self.ds_optimizer._hp_optimizer_states_linked = False
-            link()
+        compat.deepspeed_link_optimizer_state(self.ds_optimizer)  # stages 1-2, bf16: fragments -> state
         frag = self.deepspeed.utils
         for i, p in enumerate(self.raw_model.parameters()):
             for k in keys:

@@ -1,4 +1,5 @@
-"""Differences between the supported PyTorch versions (2.8 to 2.15), in one place.
+"""Differences between the supported PyTorch versions (2.8 to 2.15), in one place, and the
+one private name of an optional library the project needs (DeepSpeed's, at its pinned version).
 
 Nothing else in the project branches on ``torch.__version__``. Each entry names the
 version that changed the behaviour it papers over.
@@ -91,3 +92,14 @@ def cuda_memory_history(enabled: bool) -> None:
 def dump_cuda_memory_snapshot(path: str) -> None:
     """The recorded history as a pickle for https://pytorch.org/memory_viz."""
     torch.cuda.memory._dump_snapshot(path)
+
+
+def deepspeed_link_optimizer_state(ds_optimizer: object) -> None:
+    """Point each parameter's fragment at optimizer state created by hand (DeepSpeed 0.19, pinned
+    in requirements-deepspeed.txt; private). ZeRO stages 1-2 and DeepSpeed's bf16 optimizer create
+    Adam's state in their first step and only then link every parameter's fragment to it, which
+    ``safe_set_full_optimizer_state`` writes through; a checkpoint loaded before the first step
+    needs the link made now. ZeRO-3 finds its state without links (no such method)."""
+    link = getattr(ds_optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        link()
