@@ -262,6 +262,8 @@ def driver(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="tiny_large")
     p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="data_parallel modes to measure")
     p.add_argument("--steps", type=int, default=2, help="training steps per measurement")
     p.add_argument("--batch", type=int, default=8, help="global batch")
     p.add_argument("--out", type=Path, default=Path("logs/sharding"))
@@ -273,7 +275,8 @@ def driver(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.out = args.out.resolve()
     params = count_parameters(build_vit(load_config(args.yaml_config, args.config)))
-    rows = [measure(args, mode, n) for mode in MODES for n in args.ranks if not (n == 1 and mode != "ddp")]
+    rows = [measure(args, mode, n) for mode in args.modes for n in args.ranks
+            if not (n == 1 and mode != "ddp")]
     acts = [measure(args, "ddp", 1, ac) for ac in args.checkpointing]
     md = [f"Config `{args.config}`: {params} parameters, global batch {args.batch}, {args.steps} steps, "
           "fp32.",

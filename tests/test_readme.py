@@ -242,8 +242,9 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
     "plot_profile.py": lambda runner: [],  # the trace of the profiling command before it
     "mp_memory.py": lambda runner: [],  # no data, no output files: runs as written
     "plot_memory.py": lambda runner: [],  # the two --memory_snapshot runs before it
-    "sharding_report.py": lambda runner: [  # 2 ranks (1 is the same code unsharded), one step each;
-        "--ranks", "2", "--steps", "1", "--checkpointing", "full",  # "none" is the ranks' code again
+    "sharding_report.py": lambda runner: [  # fsdp on 2 ranks, one step (ddp and zero1 are the same
+        "--ranks", "2", "--modes", "fsdp", "--steps", "1", "--checkpointing", "full",  # code with other
+        # flags; "none" is the ranks' code again; test_sharded.py measures what each mode holds)
         "--", "--data_dir", str(runner.data_for("tiny_large"))],
     "pipeline_report.py": lambda runner: [  # zero bubble (F, B and W parts) on 2 stages, 2 steps
         "--schedules", "zero_bubble", "--stages", "2", "--microbatches", "4", "--steps", "2",
@@ -257,8 +258,8 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
     "batch_scaling.py": lambda runner: [  # one run: batch 16 as 2 micro-batches of 8, LAMB
         "--batches", "16", "--micro_batch", "8", "--optimizers", "LAMB", "--samples", "16",
         "--data_dir", str(runner.data_for("tiny")), "--expdir", str(runner.tmp / "logs")],
-    "deepspeed_compare.py": lambda runner: [  # one native and one DeepSpeed row, one step each
-        "--layouts", "native ddp", "deepspeed 3 offload", "--steps", "1", "--batch", "4",
+    "deepspeed_compare.py": lambda runner: [  # one row, one step (the other rows are the same code
+        "--layouts", "deepspeed 2", "--steps", "1", "--batch", "4",  # with other flags)
         "--", "--data_dir", str(runner.data_for("tiny"))],
     "hang_demo.py": lambda runner: ["--timeout", "1"],  # both cases; it fails if no rank is named
     "benchmark.py": lambda runner: [  # one rung, one step of batch 2 (the full ladder: test_ladder.py)
