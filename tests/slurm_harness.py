@@ -57,7 +57,7 @@ def ensure_installed(timeout: float = 600) -> None:
         raise SlurmUnavailableError(f"still missing after apt-get install: {', '.join(_missing())}")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -118,7 +118,7 @@ class SlurmCluster:
 
     def _write_config(self) -> None:
         b = self.base
-        ctld_port, d_port = _free_port(), _free_port()
+        ctld_port, d_port = free_port(), free_port()
         self.conf.write_text(f"""\
 ClusterName=testcluster
 SlurmctldHost={self.host}(127.0.0.1)

@@ -15,15 +15,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import make_cfg
-from tests.ddp_helpers import metrics, run, train_args, write_test_yaml
+from tests.conftest import REPO, make_cfg, subprocess_env
+from tests.ddp_helpers import WORKER, metrics, run, train_args, write_test_yaml
 from tests.dist_spawn import run_ranks
+from tests.slurm_harness import free_port
 from tests.test_sharded import assert_same_losses
 from training import deepspeed_engine
 from utils.signals import EXIT_STOPPED
@@ -112,16 +114,22 @@ def test_zero1_and_zero2_log_the_serial_losses_and_checkpoints_cross_between_eng
 @engine_runs
 def test_a_stop_signal_checkpoints_and_the_rerun_resumes_exactly(serial, data_dir, test_yaml, tmp_path):
     """train.py --engine deepspeed --zero_stage 3 under torchrun, as users run it: a signal in step
-    2 stops both ranks at step 4 with the stop status after the checkpoint; the same command again
-    resumes there; every epoch logs the serial run's losses; ds_config.json says what ran."""
+    2 stops both ranks at step 4 with the stop status after the checkpoint; the same command again,
+    started as srun starts it (SLURM_* variables only, no RANK or LOCAL_RANK, which DeepSpeed
+    reads), resumes there; every epoch logs the serial run's losses; ds_config.json says what ran."""
     flags = args(test_yaml, data_dir, tmp_path, **ENGINE, zero_stage=3)
     first = run(2, flags, DDP_TEST_SIGNAL_AT="0:2")
     out = first.stdout + first.stderr
     assert first.returncode != 0 and f"exitcode  : {EXIT_STOPPED}" in out and "stopping at step 4 of 8" in out
     run_dir = tmp_path / "tiny" / "2GPU_ds3" / "00"
     assert [m["step"] for m in metrics(run_dir)] == [2, 4]
-    second = run(2, flags)
-    assert second.returncode == 0 and "resumed from" in second.stdout + second.stderr, second.stderr[-3000:]
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "MASTER_PORT": str(free_port())}
+    ranks = [subprocess.Popen([sys.executable, str(WORKER), *flags], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=subprocess_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), **slurm))
+             for rank in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0] and "resumed from" in outs[0], outs[0][-3000:]
     logged = metrics(run_dir)
     assert [m["step"] for m in logged] == [2, 4, 6, 8]
     assert_same_losses(serial, logged)

@@ -21,6 +21,7 @@ import torch
 
 from tests.conftest import REPO, subprocess_env
 from tests.ddp_helpers import run_dir, train_args, write_test_yaml
+from tests.slurm_harness import free_port
 from training import run_dir as rundir
 from training.context import RunContext, TrainingError
 from training.launcher import main
@@ -158,19 +159,13 @@ def test_bad_launcher_variables_are_one_line(data_dir, tmp_path, env, message):
     assert len(result.stderr.strip().splitlines()) == 1 and time.monotonic() - start < 30
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("port_in_use", [False, True])
 def test_ranks_that_never_meet_end_in_one_line(data_dir, tmp_path, port_in_use):
     """Rank 0 of 2 alone (its partner never starts), or its port taken by another program."""
     args = train_args(write_test_yaml(tmp_path / "t.yaml"), data_dir, tmp_path / "logs",
                       rendezvous_timeout_s=3)
     with socket.socket() as blocker:
-        port = _free_port()
+        port = free_port()
         if port_in_use:
             blocker.bind(("127.0.0.1", port))
             blocker.listen()

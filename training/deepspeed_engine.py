@@ -162,11 +162,12 @@ class DeepSpeedTrainer(Trainer):
         """Torch's optimizer, handed to ``deepspeed.initialize`` with the model; ``self.model``
         becomes the engine. Returns the optimizer that steps (under ZeRO: over the flat fp32
         partitions this rank owns), on which the project's schedule sets the learning rate."""
-        if not dist.is_initialized():  # one process: DeepSpeed still wants a process group...
+        if not dist.is_initialized():  # one process: DeepSpeed still wants a process group
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-            for name in ("LOCAL_RANK", "RANK"):  # ...and the variables a launcher would set
-                os.environ.setdefault(name, "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
+        # DeepSpeed reads the variables torchrun and its own launcher set; srun sets SLURM_* ones
+        for name, value in (("RANK", self.ctx.rank), ("LOCAL_RANK", self.ctx.local_rank),
+                            ("WORLD_SIZE", self.ctx.world_size)):
+            os.environ.setdefault(name, str(value))
         client = super().build_optimizer()
         # the param groups' format of a checkpoint this engine writes (indices, hyperparameters)
         self.client_groups = client.state_dict()["param_groups"]
