@@ -28,6 +28,7 @@ from tests.dist_spawn import run_ranks
 from tests.slurm_harness import free_port
 from tests.test_sharded import assert_same_losses
 from training import deepspeed_engine
+from training.trainer import make_lr_lambda
 from utils.signals import EXIT_STOPPED
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -84,14 +85,25 @@ def _engines_on_ranks(cfgs: dict, root: Path) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")  # what DeepSpeed reads
     mesh = build_mesh({}, cfgs["zero1"].parallel_order, "cpu")
     for name, folder in (("zero1", "zero1"), ("zero2_to_4", "chain"), ("native_to_6", "chain"),
-                         ("zero1_to_8", "chain")):
+                         ("zero1_to_8", "chain"), ("zero3_onecycle", "onecycle")):
         cfg = cfgs[name]
         ctx = RunContext(device=torch.device("cpu"), run_dir=root / folder, rank=rank, world_size=2,
                          mesh=mesh)
         trainer_cls = deepspeed_engine.DeepSpeedTrainer if cfg.engine == "deepspeed" else Trainer
         trainer = trainer_cls(cfg, ctx, cfg.global_batch_size // 2)
+        if name == "zero3_onecycle":  # the rate each optimizer step of the engine uses
+            rates, engine_step = [], trainer.model.step
+
+            def step(rates=rates, engine_step=engine_step, trainer=trainer):
+                if trainer.model.is_gradient_accumulation_boundary():
+                    rates.append(trainer.optimizer.param_groups[0]["lr"])
+                engine_step()
+
+            trainer.model.step = step
         trainer.fit()
         assert trainer.step == cfg.num_iters
+        if name == "zero3_onecycle" and rank == 0:
+            (root / "onecycle_rates.json").write_text(json.dumps(rates))
 
 
 @engine_runs
@@ -99,12 +111,19 @@ def test_zero1_and_zero2_log_the_serial_losses_and_checkpoints_cross_between_eng
                                                                                      test_yaml, tmp_path):
     """On 2 ranks with 2 micro-batches and clipping: ZeRO-1 logs the serial run's losses and
     gradient norms; ZeRO-2's checkpoint (step 4) continues in the native engine, whose checkpoint
-    (step 6) continues on ZeRO-1, every epoch still the serial run's."""
+    (step 6) continues on ZeRO-1, every epoch still the serial run's. ZeRO-3 with the one-cycle
+    schedule steps with the project's rates (the engine runs the project's schedules)."""
     cfgs = {"zero1": config(test_yaml, data_dir, tmp_path, **ENGINE, zero_stage=1),
             "zero2_to_4": config(test_yaml, data_dir, tmp_path, **ENGINE, zero_stage=2, num_iters=4),
             "native_to_6": config(test_yaml, data_dir, tmp_path, num_iters=6),
-            "zero1_to_8": config(test_yaml, data_dir, tmp_path, **ENGINE, zero_stage=1)}
+            "zero1_to_8": config(test_yaml, data_dir, tmp_path, **ENGINE, zero_stage=1),
+            "zero3_onecycle": config(test_yaml, data_dir, tmp_path, **ENGINE, zero_stage=3,
+                                     lr_schedule="onecycle")}
     run_ranks(2, _engines_on_ranks, cfgs, tmp_path)
+    onecycle = cfgs["zero3_onecycle"]
+    schedule = make_lr_lambda(onecycle)
+    assert json.loads((tmp_path / "onecycle_rates.json").read_text()) == pytest.approx(
+        [onecycle.lr * schedule(step) for step in range(onecycle.num_iters)], rel=1e-12)
     for folder in ("zero1", "chain"):
         logged = metrics(tmp_path / folder)
         assert [m["step"] for m in logged] == [2, 4, 6, 8], folder

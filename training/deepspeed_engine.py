@@ -225,7 +225,7 @@ class DeepSpeedTrainer(Trainer):
         own = {id(p) for p in self.raw_model.parameters()}
         masters = [p for p in self.master_partitions() if id(p) not in own]
         state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        return {"parameters": sum(size(p) for p in working),
+        return {"parameters": sum(size(p) for p in working), "step_gradients": self.gradient_bytes(),
                 "gradients": sum(size(p.grad) for p in self.raw_model.parameters() if p.grad is not None),
                 "optimizer_state": sum(size(p) for p in masters) + sum(size(v) for v in state)}
 
@@ -237,7 +237,7 @@ class DeepSpeedTrainer(Trainer):
             return list(flat)
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def gradient_bytes(self) -> int | None:
+    def gradient_bytes(self) -> int:
         """The gradients a step holds: whole at stages 0 and 1, this rank's partition at 2 and 3,
         in the weights' precision (DeepSpeed's default ``grad_accum_dtype``)."""
         numel = sum(getattr(p, "ds_numel", p.numel()) for p in self.raw_model.parameters())

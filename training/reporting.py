@@ -115,10 +115,11 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 
 
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                  held: dict[str, int] | None = None, gradients: int | None = None) -> dict[str, float]:
-    """What this rank holds (MiB), on every device; the allocator's peak on CUDA. ``held`` and
-    ``gradients``: a trainer's own counts (DeepSpeed's engine counts its partitions)."""
+                  held: dict[str, int] | None = None) -> dict[str, float]:
+    """What this rank holds (MiB), on every device; the allocator's peak on CUDA. ``held``: a
+    trainer's own count (DeepSpeed's engine counts its partitions and a step's gradients)."""
     held = held or held_bytes(model, optimizer)  # under FSDP: this rank's shards; ZeRO-1: its share
+    gradients = held.get("step_gradients")
     if gradients is None:  # the gradients a step holds (after zero_grad(set_to_none) none are left)
         gradients = sum(local(p).numel() * local(p).element_size() for p in model.parameters()
                         if p.requires_grad)

@@ -39,7 +39,6 @@ from utils.signals import received
 
 if TYPE_CHECKING:  # imported by the rank that writes (open_writer): 0.15 s of every other rank's start
     from torch.utils.tensorboard import SummaryWriter
-
 log = logging.getLogger(__name__)
 
 
@@ -303,18 +302,13 @@ class Trainer:
         return validation.evaluate(self.predict, batches, self.cfg.n_out_channels, self.lat_weights,
                                    self.metric_groups(), pad_to)
 
-    def gathers_in_forward(self) -> bool:
-        """Whether every forward runs collectives over the data-parallel ranks: FSDP gathers
-        weights, expert parallelism exchanges tokens."""
+    def gathers_in_forward(self) -> bool:  # collectives in every forward: FSDP's gathers, experts' all-to-all
         return sharding.fsdp_active(self.cfg, self.ctx.mesh) or self.ctx.mesh.expert_parallel > 1
 
     def held_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds in parameters, gradients and optimizer state (training/reporting.py)."""
+        """Bytes this rank holds by kind (training/reporting.py; "step_gradients": a step's, if not
+        as many as the trainable parameters)."""
         return reporting.held_bytes(self.model, self.optimizer)
-
-    def gradient_bytes(self) -> int | None:
-        """The gradients a step holds; None: as many as the trainable parameters (reporting.py)."""
-        return None
 
     # --------------------------------------------------------------- checkpoints ---
     @property
@@ -373,8 +367,7 @@ class Trainer:
     def log_epoch(self, epoch: int, seconds: float, steps: int, train_loss: float,
                   val: dict[str, Any], val_seconds: float) -> None:
         samples = steps * self.local_batch * self.ctx.dp_size
-        memory = reporting.memory_report(self.raw_model, self.optimizer, self.device, self.held_bytes(),
-                                         self.gradient_bytes())
+        memory = reporting.memory_report(self.raw_model, self.optimizer, self.device, self.held_bytes())
         norms = torch.stack(self.grad_norms).tolist() if self.grad_norms else None  # one host sync
         self.grad_norms = []
         extra = {"build_peak_MiB": self.build_peak_MiB} if self.build_peak_MiB is not None else {}
