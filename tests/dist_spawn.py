@@ -39,12 +39,12 @@ def _worker(rank: int, world: int, init_file: str, fn, args, result_dir: str) ->
         fn(*args)
     except Exception:  # reported below, after every rank has said how it went
         error = traceback.format_exc()
+    if error:  # before the ranks agree: once one exits, the others may be stopped at once
+        with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
+            f.write(error)
     failed = torch.tensor([1 if error else 0])
     dist.all_reduce(failed)
     dist.destroy_process_group()
-    if error:
-        with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
-            f.write(error)
     # Leave without the interpreter's teardown: a process group still referenced (by a device
     # mesh, say) is destroyed there, and gloo's threads then once aborted a rank that had done
     # all its work ("terminate called without an active exception", 1 run in about 15).
