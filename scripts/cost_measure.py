@@ -1,0 +1,376 @@
+#!/usr/bin/env python
+"""What scripts/cost_model.py predicts, measured: one layout's real training run, and this
+machine's constants (`--calibrate`).
+
+A layout's run is train.py's (or train_mp.py's) own loop on `--num_iters` steps, with a Trainer
+that counts, on every rank:
+
+* the bytes each collective moves in a training step (its payload: the tensor an all-reduce or
+  broadcast reduces, an all-gather's whole output, a reduce-scatter's whole input, what a
+  point-to-point send or receive carries; DDP's gradient all-reduce through a comm hook, as it
+  runs in C++). Object collectives (the pipeline shares its loss as a Python number) are not
+  tensors and are not counted;
+* the FLOPs of one step (torch.utils.flop_counter.FlopCounterMode: matmuls, convolutions and
+  attention), in a step that is not timed;
+* the peak of the bytes autograd keeps for backward (utils/profiling.SavedTensorMeter);
+* the bytes of parameters, gradients and optimizer state this rank holds after a step;
+* the seconds of each later step (the ranks start it together, after a barrier).
+
+Rank 0 collects every rank's record into RUN_DIR/cost_measure.json.
+
+The calibration (`calibrate`) times, in processes started together as ranks are: matmuls of a
+given size per dtype, and all-reduce, all-gather and point-to-point transfers of growing sizes,
+and fits latency + bytes / bandwidth to them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from utils.profiling import SavedTensorMeter  # noqa: E402
+
+RECORD_FILE = "cost_measure.json"
+
+
+# ------------------------------------------------------------ counting collectives ---
+def count_collectives(counts: dict[str, int], calls: dict[str, int], active: list[bool]) -> None:
+    """Wrap torch.distributed's tensor collectives so that each adds its payload (bytes) to
+    ``counts[kind]`` and one to ``calls[kind]`` while ``active[0]``."""
+    import torch.distributed as dist
+
+    def nbytes(t) -> int:
+        if isinstance(t, (list, tuple)):
+            return sum(nbytes(x) for x in t)
+        return t.numel() * t.element_size()
+
+    def add(kind: str, t) -> None:
+        counts[kind] = counts.get(kind, 0) + nbytes(t)
+        calls[kind] = calls.get(kind, 0) + 1
+
+    def wrap(name: str, kind: str, position: int, keyword: str) -> None:
+        original = getattr(dist, name, None)
+        if original is None:  # FSDP2 calls *_single from torch 2.13 on, *_tensor before
+            return
+
+        def counted(*args, **kwargs):
+            if active[0]:
+                add(kind, kwargs[keyword] if keyword in kwargs else args[position])
+            return original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+    # the pipeline schedules' transfers: P2POp(isend or irecv) lists, which torch checks against
+    # (and calls as) the functions of distributed_c10d: both names are wrapped
+    from torch.distributed import distributed_c10d as c10d
+
+    for name, kind in (("isend", "send"), ("irecv", "recv")):
+        wrap(name, kind, 0, "tensor")
+        setattr(c10d, name, getattr(dist, name))
+
+    wrap("all_reduce", "all_reduce", 0, "tensor")
+    wrap("broadcast", "broadcast", 0, "tensor")
+    wrap("all_gather", "all_gather", 0, "tensor_list")
+    wrap("all_gather_into_tensor", "all_gather", 0, "output_tensor")
+    wrap("all_gather_single", "all_gather", 0, "output_tensor")
+    wrap("reduce_scatter_tensor", "reduce_scatter", 1, "input")
+    wrap("reduce_scatter_single", "reduce_scatter", 1, "input")
+    wrap("all_to_all_single", "all_to_all", 1, "input")
+    wrap("send", "send", 0, "tensor")
+    wrap("recv", "recv", 0, "tensor")
+
+
+# ------------------------------------------------------------ activations ---
+class ActivationMeter(SavedTensorMeter):
+    """Saved tensors, weights left out: a linear layer saves its weight as ``weight.t()``, a
+    view made in forward, not the Parameter object; such a view has one input in the
+    graph, the parameter's gradient accumulator."""
+
+    def pack(self, t: torch.Tensor) -> object:
+        fn = t.grad_fn
+        if fn is not None and len(fn.next_functions) == 1:
+            source = getattr(fn.next_functions[0][0], "variable", None)
+            if isinstance(source, torch.nn.Parameter):
+                return t
+        return super().pack(t)
+
+
+# ------------------------------------------------------------ the worker (one rank) ---
+def worker(argv: list[str]) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from training.launcher import main
+    from training.trainer import Trainer
+    from utils import attention
+    from utils import device as dev
+
+    counts: dict[str, int] = {}
+    calls: dict[str, int] = {}
+    active = [False]
+    count_collectives(counts, calls, active)
+    distributed = dist.is_available() and "WORLD_SIZE" in os.environ
+    flop_step, byte_step = 1, 2  # untimed steps that count FLOPs, and bytes (the counting costs time)
+
+    class MeasuringTrainer(Trainer):
+        def build_model(self):
+            model = super().build_model()
+            self.record: dict[str, Any] = {"seconds": [], "flops": 0, "saved_peak_bytes": 0}
+            if hasattr(model, "register_comm_hook"):  # DDP: its all-reduce runs in C++, hook it
+                group = self.ctx.dp_group
+
+                def hook(state, bucket):  # the average of a bucket, by the (counted) all-reduce
+                    buf = bucket.buffer()
+                    buf.div_(dist.get_world_size(group))
+                    work = dist.all_reduce(buf, group=group, async_op=True)
+                    return work.get_future().then(lambda fut: fut.value()[0])
+
+                model.register_comm_hook(None, hook)
+            return model
+
+        def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+            index = len(self.record["seconds"])
+            if index == flop_step:
+                # attention by the math kernel in this step: FlopCounterMode counts its matmuls
+                # (it does not know the CPU's fused attention kernel and would count 0); around the
+                # whole step too: activation checkpointing recomputes attention in backward
+                kernel, self.attention_kernel = self.attention_kernel, "math"
+                with FlopCounterMode(display=False) as flops, attention.kernel("math"):
+                    loss = super().train_step(inp, tar)
+                self.attention_kernel = kernel
+                by_op = {str(op): n for op, n in flops.get_flop_counts()["Global"].items()}
+                self.record.update(flops=flops.get_total_flops(), flops_by_op=by_op)
+                self.record["seconds"].append(None)
+                return loss
+            if index == byte_step:
+                meter = ActivationMeter()
+                counts.clear()
+                calls.clear()
+                active[0] = True
+                with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                    loss = super().train_step(inp, tar)
+                active[0] = False
+                self.record.update(saved_peak_bytes=meter.peak, comm_bytes=dict(counts),
+                                   comm_calls=dict(calls), held=self.held_now(),
+                                   pp_rank=self.ctx.mesh.rank_in("pp"), dp_rank=self.ctx.mesh.rank_in("dp"))
+                self.record["seconds"].append(None)
+                return loss
+            if distributed:
+                dist.barrier()  # the ranks start the step together
+            dev.synchronize(self.device)
+            start = time.perf_counter()
+            loss = super().train_step(inp, tar)
+            dev.synchronize(self.device)
+            self.record["seconds"].append(time.perf_counter() - start)
+            return loss
+
+        def held_now(self) -> dict[str, int]:
+            from distributed.sharding import local
+
+            held = self.held_bytes()
+            if "step_gradients" not in held:  # the gradients a step holds (zero_grad frees them after)
+                held["step_gradients"] = sum(local(p).numel() * local(p).element_size()
+                                             for p in self.model.parameters() if p.requires_grad)
+            return held
+
+        def fit(self):
+            result = super().fit()
+            records = [{"rank": self.ctx.rank, **self.record}]
+            if distributed:
+                records = [None] * dist.get_world_size()
+                dist.all_gather_object(records, {"rank": self.ctx.rank, **self.record})
+            if self.ctx.is_main:
+                (self.ctx.run_dir / RECORD_FILE).write_text(json.dumps(records))
+            return result
+
+    model_parallel = "--model_parallel" in argv
+    argv = [a for a in argv if a != "--model_parallel"]
+    return main(MeasuringTrainer, argv, description="a training run measuring its costs",
+                model_parallel=model_parallel)
+
+
+# ------------------------------------------------------------------ the driver ---
+def measure_layout(name: str, ranks: int, flags: list[str], out: Path, config: str,
+                   yaml_config: str | None = None, steps: int = 10) -> list[dict[str, Any]]:
+    """Train ``config`` in the layout ``flags`` on ``ranks`` ranks for ``steps`` steps; every
+    rank's record (see the module's docstring)."""
+    from scripts.workers import run_worker
+
+    flags = [f"--config={config}", f"--run_num={name}", f"--expdir={out}", f"--num_iters={steps}",
+             "--checkpoint_every=0", "--limit_nsamples_val=8", "--model_parallel", *flags]
+    if yaml_config:
+        flags.insert(0, f"--yaml_config={yaml_config}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    run_worker(__file__, ranks, flags, env)
+    run_dir = next((out / config).glob(f"*/{name}"))
+    return json.loads((run_dir / RECORD_FILE).read_text())
+
+
+# ------------------------------------------------------------------ calibration ---
+CALIBRATION_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "all_to_all")
+CALIBRATION_SIZES = (2**12, 2**18, 2**20, 2**22)  # payload bytes
+BROADCAST_BATCH = 8  # broadcasts in one timed call (their latency per call is what is fitted)
+
+
+def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
+    """This process's achieved matmul FLOP/s per dtype (1024 x 1024 x 1024 and 512 x 128 x 384
+    products: the second is the size of a small model's layers), memory bandwidth (bytes read
+    + written by an add of 64 MiB tensors) and Adam's seconds per parameter (torch's
+    default implementation on a million parameters in 8 tensors)."""
+    import torch
+
+    def timed(fn) -> float:
+        fn()
+        start, runs = time.perf_counter(), 0
+        while time.perf_counter() - start < seconds:
+            fn()
+            runs += 1
+        return (time.perf_counter() - start) / runs
+
+    out: dict[str, Any] = {"matmul_flops": {}}
+    for dtype in (torch.float32, torch.bfloat16):
+        rates = []
+        for n, k, c in ((1024, 1024, 1024), (512, 128, 384)):
+            a, b = torch.randn(n, k, dtype=dtype), torch.randn(k, c, dtype=dtype)
+            rates.append(2 * n * k * c / timed(lambda a=a, b=b: a @ b))
+        out["matmul_flops"][str(dtype).removeprefix("torch.")] = {"large": rates[0], "small": rates[1]}
+    x, y = torch.randn(2**24), torch.randn(2**24)
+    out["memory_bandwidth"] = 3 * x.numel() * 4 / timed(lambda: torch.add(x, y))
+    params = [torch.nn.Parameter(torch.randn(2**17)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adam = torch.optim.Adam(params, lr=1e-3)
+    out["adam_seconds_per_parameter"] = timed(adam.step) / 2**20
+    return out
+
+
+def collective_call(kind: str, n: int, world: int, rank: int):
+    """A function that runs collective ``kind`` on a payload of ``n`` fp32 elements."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(n)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    if kind == "broadcast":  # as ZeRO-1 broadcasts its tensors: all issued at once, then waited for
+        parts = list(x.chunk(BROADCAST_BATCH))
+        return lambda: [w.wait() for w in [dist.broadcast(t, src=0, async_op=True) for t in parts]]
+    if kind == "all_gather":  # payload: the whole output
+        part, parts = torch.ones(n // world), [torch.empty(n // world) for _ in range(world)]
+        return lambda: dist.all_gather(parts, part)
+    if kind == "reduce_scatter":  # payload: the whole input
+        out = torch.empty(n // world)
+        return lambda: dist.reduce_scatter_tensor(out, x)
+    if kind == "all_to_all":
+        out = torch.empty(n)
+        return lambda: dist.all_to_all_single(out, x)
+    # send: a pair of ranks exchanging, rank r sends to r + 1 and receives from r - 1
+    buf = torch.empty(n)
+    ops = [dist.P2POp(dist.isend, x, (rank + 1) % world), dist.P2POp(dist.irecv, buf, (rank - 1) % world)]
+    return lambda: [w.wait() for w in dist.batch_isend_irecv(ops)]
+
+
+def busy(seconds: float) -> None:
+    """Matmuls for about ``seconds`` (the computation between two collectives in a step)."""
+    a = torch.randn(256, 256)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ a
+
+
+def calibration_worker() -> int:
+    """One rank of the collectives' calibration (torchrun, gloo): each collective and size timed
+    over 30 calls; rank 0 prints {kind: [[bytes, seconds], ...]} as JSON, and, started with
+    every rank busy at once, this rank's compute rates (as a layout's ranks share the cores)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dist.barrier()
+    rates = compute_rates()
+    every = [None] * world
+    dist.all_gather_object(every, rates)
+    times: dict[str, list[list[float]]] = {}
+    for kind in CALIBRATION_KINDS if world > 1 else ():
+        for size in CALIBRATION_SIZES:
+            run = collective_call(kind, size // 4, world, rank)
+            run()
+            seconds = []
+            for _ in range(30):  # each call timed as training meets it: right after some compute
+                # (a rank that has just computed finds the others a little early or late, and gloo's
+                # threads wake on busy cores); the mean of the calls, slow ones included, as a
+                # step's many calls add up to it
+                busy(0.005)
+                start = time.perf_counter()
+                run()
+                seconds.append(time.perf_counter() - start)
+            times.setdefault(kind, []).append([size, sum(seconds) / len(seconds)])
+    dist.barrier()
+    if rank == 0:
+        print(json.dumps({"collectives": times, "compute": every}), flush=True)
+    os._exit(0)  # no teardown: gloo's transfer threads abort the interpreter's exit otherwise
+
+
+def fit_latency_bandwidth(points: list[list[float]]) -> tuple[float, float]:
+    """t = latency + bytes / bandwidth: the latency is the fastest call's time (gloo on a busy CPU
+    has slow moments even for small payloads), the bandwidth the least-squares fit of the larger
+    payloads through that latency."""
+    latency = min(t for _, t in points)
+    rest = sorted(points)[1:]
+    slope = sum(x * (y - latency) for x, y in rest) / sum(x * x for x, _ in rest)
+    return latency, 1.0 / max(slope, 1e-15)
+
+
+def calibrate(ranks: tuple[int, ...] = (1, 2, 4)) -> dict[str, Any]:
+    """This machine's constants: compute rates with 1, 2 and 4 ranks busy at once, collectives
+    over 2 and 4 ranks (gloo)."""
+    import platform
+    import subprocess
+
+    import torch
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    result: dict[str, Any] = {"name": f"this machine: {platform.processor() or platform.machine()}, "
+                              f"{os.cpu_count()} cores, torch {torch.__version__}, gloo",
+                              "source": "measured by scripts/cost_model.py --calibrate", "overlap": 0.0,
+                              "cores": os.cpu_count(),
+                              "by_ranks": {}}
+    for r in ranks:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r}",
+               str(Path(__file__).resolve()), "--calibration-worker"]
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"error: the calibration on {r} ranks failed:\n{done.stderr[-2000:]}")
+        data = json.loads(done.stdout.strip().splitlines()[-1])
+        every = data["compute"]
+        mean = lambda get, every=every: sum(get(c) for c in every) / len(every)
+        entry = {"matmul_flops": {d: {s: mean(lambda c, d=d, s=s: c["matmul_flops"][d][s])
+                                      for s in ("large", "small")} for d in every[0]["matmul_flops"]},
+                 "memory_bandwidth": mean(lambda c: c["memory_bandwidth"]),
+                 "adam_seconds_per_parameter": mean(lambda c: c["adam_seconds_per_parameter"])}
+        if r > 1:
+            entry["collectives"] = {k: list(fit_latency_bandwidth(v)) for k, v in data["collectives"].items()}
+            entry["collectives"]["broadcast"][0] /= BROADCAST_BATCH  # the latency of one of the batch
+        result["by_ranks"][str(r)] = entry
+    return result
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--calibration-worker"]:
+        sys.exit(calibration_worker())
+    if sys.argv[1:2] == ["--worker"]:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        sys.exit(worker(sys.argv[2:]))
+    raise SystemExit("usage: run through scripts/cost_model.py --check (this is its worker)")

@@ -1,0 +1,818 @@
+#!/usr/bin/env python
+"""Predict before you run: FLOPs, memory, bytes sent and step time of every layout, from
+formulas; checked against real runs of the same code on the same machine.
+
+    python scripts/cost_model.py --config tiny --ranks 2 --data_parallel fsdp    # one prediction
+    python scripts/cost_model.py --calibrate                   # this machine's constants
+    python scripts/cost_model.py --check --out logs/cost_model # 15 layouts: predicted vs measured
+    python scripts/cost_model.py --config tiny --plan --gpus 4 --gpu_memory_gb 1
+
+Everything is per rank and per training step (fp32 weights and Adam, as train.py trains by
+default). The formulas read the model's sizes from the config: B samples of N tokens of width
+D, L blocks with h heads and an MLP of F hidden features, C_in/C_out channels in p x p patches.
+The page docs/11-cost-model.md derives each one. What the model leaves out is said where it
+is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+E = 4  # bytes of an fp32 element: weights, gradients, Adam's moments, activations (no AMP)
+MIB = 2**20
+CONSTANTS_FILE = REPO / "logs" / "cost_model" / "machine.json"
+
+
+# ------------------------------------------------------------------ the model ---
+@dataclass(frozen=True)
+class Model:
+    """The ViT's sizes (networks/vit.py)."""
+
+    img: tuple[int, int]
+    patch: int
+    c_in: int
+    c_out: int
+    dim: int
+    depth: int
+    heads: int
+    mlp_ratio: float = 4.0
+    num_experts: int = 0
+    top_k: int = 1
+    moe_every: int = 2
+
+    @property
+    def tokens(self) -> int:  # N
+        return (self.img[0] // self.patch) * (self.img[1] // self.patch)
+
+    @property
+    def hidden(self) -> int:  # F
+        return int(self.dim * self.mlp_ratio)
+
+    @property
+    def pixels(self) -> int:  # H W
+        return self.img[0] * self.img[1]
+
+    def moe(self, block: int) -> bool:
+        return bool(self.num_experts) and (block + 1) % self.moe_every == 0
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Model:
+        return cls(tuple(cfg.img_size), cfg.patch_size, cfg.n_in_channels, cfg.n_out_channels, cfg.embed_dim,
+                   cfg.depth, cfg.num_heads, cfg.mlp_ratio, cfg.num_experts, cfg.moe_top_k, cfg.moe_every)
+
+
+def parameter_shapes(m: Model) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter of the serial ViT with its shape, in the model's order (a module's own
+    parameters before its children's: the positional embedding first)."""
+    D, F, p = m.dim, m.hidden, m.patch
+    shapes = [("pos_embed", (1, m.tokens, D)), ("patch_embed.proj.weight", (D, m.c_in, p, p)),
+              ("patch_embed.proj.bias", (D,))]
+    for i in range(m.depth):
+        b = f"blocks.{i}."
+        shapes += [(b + "norm1.weight", (D,)), (b + "norm1.bias", (D,)),
+                   (b + "attn.qkv.weight", (3 * D, D)), (b + "attn.qkv.bias", (3 * D,)),
+                   (b + "attn.proj.weight", (D, D)), (b + "attn.proj.bias", (D,)),
+                   (b + "norm2.weight", (D,)), (b + "norm2.bias", (D,))]
+        mlps = [f"{b}mlp.experts.{e}." for e in range(m.num_experts)] if m.moe(i) else [b + "mlp."]
+        if m.moe(i):
+            shapes.append((b + "mlp.router.weight", (m.num_experts, D)))
+        for mlp in mlps:
+            shapes += [(mlp + "fc1.weight", (F, D)), (mlp + "fc1.bias", (F,)),
+                       (mlp + "fc2.weight", (D, F)), (mlp + "fc2.bias", (D,))]
+    return shapes + [("norm.weight", (D,)), ("norm.bias", (D,)),
+                     ("head.weight", (m.c_out * p * p, D)), ("head.bias", (m.c_out * p * p,))]
+
+
+# ------------------------------------------------------------------ the layout ---
+@dataclass(frozen=True)
+class Layout:
+    """How ``ranks`` ranks split the model and the batch (the flags of train.py/train_mp.py)."""
+
+    ranks: int = 1
+    data_parallel: str = "ddp"  # ddp | zero1 | fsdp
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    stages_per_rank: int = 2  # interleaved schedules only
+    checkpointing: str = "none"  # none | full | selective
+    batch: int = 16  # global batch
+
+    @property
+    def dp(self) -> int:
+        return self.ranks // (self.tp * self.cp * self.pp)
+
+    @property
+    def local_batch(self) -> int:
+        return self.batch // self.dp
+
+    @property
+    def chunks(self) -> int:  # pipeline stages per rank
+        return self.stages_per_rank if self.schedule in ("interleaved_1f1b", "zero_bubble") else 1
+
+    @property
+    def name(self) -> str:
+        parts = [f"dp{self.dp}" + (f"_{self.data_parallel}" if self.data_parallel != "ddp" else "")
+                 if self.dp > 1 else ""]
+        parts += [f"{k}{v}" for k, v in (("tp", self.tp), ("cp", self.cp), ("ep", self.ep)) if v > 1]
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}_{self.schedule}_m{self.microbatches}")
+        if self.checkpointing != "none":
+            parts.append(f"ckpt_{self.checkpointing}")
+        return "_".join(p for p in parts if p) or "serial"
+
+    def flags(self) -> list[str]:
+        """The layout as train_mp.py's flags."""
+        f = [f"--global_batch_size={self.batch}", f"--data_parallel={self.data_parallel}",
+             f"--tensor_parallel={self.tp}", f"--context_parallel={self.cp}",
+             f"--expert_parallel={self.ep}", f"--activation_checkpointing={self.checkpointing}"]
+        if self.pp > 1:
+            f += [f"--pipeline_parallel={self.pp}", f"--pipeline_schedule={self.schedule}",
+                  f"--num_microbatches={self.microbatches}", f"--stages_per_rank={self.stages_per_rank}"]
+        return f
+
+
+def stage_blocks(m: Model, lay: Layout, pp_rank: int) -> tuple[list[int], bool, bool]:
+    """The blocks of this pipeline rank's stages, and whether it holds the embedding (first
+    stage) and the head (last): distributed/pipeline.py's split, the middle stages one block
+    longer when the blocks do not divide."""
+    from distributed.pipeline import rank_stages, split_blocks
+
+    n_stages = lay.pp * lay.chunks
+    ranges = split_blocks(m.depth, n_stages)
+    stages = rank_stages(pp_rank, lay.pp, lay.chunks)
+    return [i for s in stages for i in ranges[s]], 0 in stages, n_stages - 1 in stages
+
+
+# ------------------------------------------------------------------ FLOPs ---
+def block_matmuls(m: Model, lay: Layout, block: int) -> dict[str, tuple[int, int, int]]:
+    """One block's matrix products for one sample, (rows, inner, columns) each: 2 x rows x inner
+    x columns FLOPs. Tensor parallelism splits the heads and the MLP features (columns of qkv
+    and fc1, inner dimension of proj and fc2); context parallelism the tokens (rows), except
+    that queries meet all N keys. A mixture of experts sends each token to top_k experts
+    (balanced routing assumed: the real count depends on the data)."""
+    D, F, N, tp = m.dim, m.hidden, m.tokens, lay.tp
+    n = N // lay.cp  # this rank's tokens
+    mm = {"qkv": (n, D, 3 * D // tp),
+          "attention scores": (n, D // tp, N),  # q k^T for h heads of D/h: h x n x (D/h) x N
+          "attention values": (n, N, D // tp),  # softmax(..) v
+          "proj": (n, D // tp, D)}
+    if m.moe(block):
+        mm["router"] = (n, D, m.num_experts)
+        routed = n * m.top_k // lay.ep  # tokens this rank's experts process (balanced)
+        mm["fc1"], mm["fc2"] = (routed, D, F), (routed, F, D)
+    else:
+        mm["fc1"], mm["fc2"] = (n, D, F // tp), (n, F // tp, D)
+    return mm
+
+
+def recomputed(lay: Layout, block: int) -> bool:
+    """Whether activation checkpointing recomputes this block (selective: every other one)."""
+    return lay.checkpointing == "full" or (lay.checkpointing == "selective" and block % 2 == 0)
+
+
+def flops(m: Model, lay: Layout, pp_rank: int = 0) -> dict[str, int]:
+    """Matmul FLOPs of one step on one rank, as torch.utils.flop_counter counts them:
+    2 per multiply-add, forward (F) and backward (2 F: the gradient of the input and of the
+    weight, each as large as the forward product). The patch embedding's backward is F only:
+    the input image needs no gradient. Recomputed blocks (activation checkpointing) run their
+    forward again in backward, all but fc2: torch's checkpoint stops recomputing once every
+    tensor backward needs is back, and nothing keeps fc2's output."""
+    blocks, first, last = stage_blocks(m, lay, pp_rank)
+    b = lay.local_batch
+    fwd = {"blocks": 0, "recompute": 0}
+    for i in blocks:
+        mm = block_matmuls(m, lay, i)
+        fwd["blocks"] += sum(2 * r * k * c for r, k, c in mm.values())
+        if recomputed(lay, i):
+            fwd["recompute"] += sum(2 * r * k * c for name, (r, k, c) in mm.items() if name != "fc2")
+    out = {"blocks": 3 * b * fwd["blocks"], "recompute": b * fwd["recompute"]}
+    if first:  # a convolution of C_in p p inputs to D outputs per token: a matmul, every token
+        out["patch embedding"] = 2 * 2 * b * m.tokens * m.c_in * m.patch**2 * m.dim
+    if last:  # on this rank's N / cp tokens
+        out["head"] = 3 * 2 * b * (m.tokens // lay.cp) * m.dim * m.c_out * m.patch**2
+    out["total"] = sum(out.values())
+    return out
+
+
+# ------------------------------------------------------------------ memory ---
+def tp_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """This tp rank's part: qkv and fc1 split by rows (column parallel), proj and fc2 weights by
+    columns (row parallel, their bias whole); norms, embedding, head and experts replicated."""
+    if tp == 1 or ".experts." in name:
+        return shape
+    if name.endswith(("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias")):
+        return (shape[0] // tp, *shape[1:])
+    if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
+        return (shape[0], shape[1] // tp)
+    return shape
+
+
+def rank_parameters(m: Model, lay: Layout, pp_rank: int = 0) -> list[tuple[str, tuple[int, ...]]]:
+    """The parameters this rank's model part has (before any data-parallel sharding)."""
+    blocks, first, last = stage_blocks(m, lay, pp_rank)
+    keep = []
+    for name, shape in parameter_shapes(m):
+        part = name.split(".")[0]
+        if part == "blocks":
+            i = int(name.split(".")[1])
+            if i not in blocks:
+                continue
+            if ".experts." in name and int(name.split(".")[4]) % lay.ep != 0:
+                continue  # expert parallel: rank 0 of the ep group keeps experts 0, ep, 2 ep, ...
+        elif part in ("patch_embed", "pos_embed") and not first or part in ("norm", "head") and not last:
+            continue
+        keep.append((name, tp_shape(name, shape, lay.tp)))
+    return keep
+
+
+def fsdp_rows(rows: int, dp: int, dp_rank: int) -> int:
+    """FSDP2 shards dim 0 as torch.chunk does: ceil(rows / dp) each, the last ranks what is left
+    (a (1, N, D) positional embedding: all on rank 0, nothing on the others)."""
+    per = math.ceil(rows / dp)
+    return max(0, min(per, rows - dp_rank * per))
+
+
+def zero1_owner(shapes: list[tuple[str, tuple[int, ...]]], dp: int) -> dict[str, int]:
+    """ZeroRedundancyOptimizer's partition: largest tensors first, each to the rank that owns the
+    fewest elements so far (the first such rank)."""
+    sizes, owner = [0] * dp, {}
+    for name, shape in sorted(shapes, key=lambda s: math.prod(s[1]), reverse=True):
+        r = sizes.index(min(sizes))
+        owner[name] = r
+        sizes[r] += math.prod(shape)
+    return owner
+
+
+def activation_bytes(m: Model, lay: Layout, pp_rank: int = 0) -> dict[str, int]:
+    """Bytes autograd keeps for backward at the peak of one step, counted tensor by tensor (the
+    page lists them). Per token of a block: its input x, the normalised x (saved by qkv), the
+    q/k/v projection (3D / tp), the attention output (D / tp) and its log-sum-exp (h / tp), x
+    after attention, its normalisation, fc1's output and GELU's (F / tp each), and two floats of
+    mean and 1/std per layer norm: 4 D + 4 + (4 D + h + 2 F) / tp. Context parallelism adds the
+    gathered keys and values (2 N D / tp per sample); a checkpointed block keeps its input only.
+    A pipeline stage holds the micro-batches in flight: all m (GPipe), pp - rank (1F1B)."""
+    D, F, h, N, tp = m.dim, m.hidden, m.heads, m.tokens, lay.tp
+    n = N // lay.cp
+    blocks, first, last = stage_blocks(m, lay, pp_rank)
+
+    def per_sample_block(i: int, kept: bool) -> int:
+        if not kept:  # checkpointed: the input only
+            return n * D
+        if m.moe(i):  # router logits and probabilities, then each routed token's MLP (balanced)
+            mlp = n * 2 * m.num_experts + n * m.top_k // lay.ep * (D + 2 * F)
+            return n * (4 * D + 4) + n * (4 * D + h) // tp + mlp
+        full = n * (4 * D + 4) + n * (4 * D + h + 2 * F) // tp
+        return full + (2 * N * D // tp if lay.cp > 1 else 0)
+
+    ckpt = {i: not recomputed(lay, i) for i in blocks}
+    sample = {"blocks": sum(per_sample_block(i, ckpt[i]) for i in blocks)}
+    if last:  # final norm's input and stats, the head's input; the loss keeps pred - target, and
+        sample["head and loss"] = n * (2 * D + 2) + m.c_out * m.pixels + m.c_out  # ||target||^2 per channel
+    if first and lay.cp > 1:  # the first block's input is a slice (a view) of the whole sequence
+        sample["blocks"] += (N - n) * D
+    b = lay.local_batch
+    if lay.pp > 1:  # micro-batches alive at once on this rank
+        flight = lay.microbatches if lay.schedule == "gpipe" else min(lay.microbatches, lay.pp - pp_rank)
+        if lay.chunks > 1:  # interleaved: each chunk's micro-batches in flight, at most all
+            flight = min(lay.microbatches, lay.pp - pp_rank + (lay.chunks - 1) * lay.pp)
+        per_mb = b // lay.microbatches
+        out = {k: E * v * per_mb * flight for k, v in sample.items()}
+    else:
+        out = {k: E * v * b for k, v in sample.items()}
+    if first:  # the convolution keeps the input batch (micro-batches are views of it)
+        out["input"] = E * b * m.c_in * m.pixels
+    out["total"] = sum(out.values())
+    return out
+
+
+def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0) -> dict[str, int]:
+    """Bytes this rank holds, by kind. Adam keeps two moments per element and a 4-byte step count
+    per tensor. ddp: everything; zero1: the moments of the tensors it owns; fsdp: its dim-0 shard
+    of everything. Also: the recomputed block of activation checkpointing (one block's
+    activations while its backward runs) and FSDP's communication buffers (one block's
+    gathered weights and gradients, the next block's prefetched weights); not checked:
+    neither is in the tensors a run can count on a CPU."""
+    shapes = rank_parameters(m, lay, pp_rank)
+    if lay.data_parallel == "fsdp" and lay.dp > 1:
+        local = {n: fsdp_rows(s[0], lay.dp, dp_rank) * math.prod(s[1:]) for n, s in shapes}
+        owned = set(local)
+    else:
+        local = {n: math.prod(s) for n, s in shapes}
+        owner = zero1_owner(shapes, lay.dp) if lay.data_parallel == "zero1" and lay.dp > 1 else {}
+        owned = {n for n in local if owner.get(n, dp_rank) == dp_rank}
+    act = activation_bytes(m, lay, pp_rank)
+    out = {"parameters": E * sum(local.values()), "gradients": E * sum(local.values()),
+           "optimizer_state": sum(2 * E * local[n] + 4 for n in owned),
+           "activations": act["total"]}
+    extra = {}
+    if lay.checkpointing != "none":
+        blocks = stage_blocks(m, lay, pp_rank)[0]
+        full = activation_bytes(m, replace(lay, checkpointing="none", pp=1, ranks=lay.ranks // lay.pp))
+        extra["recompute (one block)"] = (full["blocks"] // max(1, m.depth)) if blocks else 0
+    if lay.data_parallel == "fsdp" and lay.dp > 1:
+        block = sum(math.prod(s) for n, s in shapes if n.startswith("blocks.0."))
+        extra["fsdp buffers"] = E * 3 * block  # gathered weights (this and the next block), gradients
+    out["total"] = sum(out.values())
+    return {**out, **{f"{k} (not checked)": v for k, v in extra.items()}}
+
+
+# ------------------------------------------------------------------ communication ---
+def padded(shapes: list[tuple[str, tuple[int, ...]]], dp: int) -> int:
+    """Elements FSDP all-gathers for these tensors: every rank's shard padded to ceil(rows / dp)."""
+    return sum(dp * math.ceil(s[0] / dp) * math.prod(s[1:]) for _, s in shapes)
+
+
+def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = False) -> list[tuple]:
+    """(kind, group size, bytes, calls) of every collective one step runs on this rank (and the
+    mesh dimension it runs over, ``with_dims``): an
+    all-reduce or broadcast counts its tensor, an all-gather its whole output, a reduce-scatter
+    its whole input, a send or receive its tensor."""
+    D, N, b, tp = m.dim, m.tokens, lay.local_batch, lay.tp
+    blocks, first, last = stage_blocks(m, lay, pp_rank)
+    shapes = rank_parameters(m, lay, pp_rank)
+    grad_bytes = E * sum(math.prod(s) for _, s in shapes)
+    parts: list[tuple] = []
+    L = len(blocks)
+    R = sum(recomputed(lay, i) for i in blocks)  # recomputing a block runs its forward's collectives
+    # again, up to fc2 (where torch's checkpoint stops, see flops())
+    if tp > 1:  # Megatron: forward sums proj's and fc2's partial outputs, backward the input
+        # gradients of qkv and fc1 (each (b, n, D))
+        parts.append(("all_reduce", tp, (4 * L + R) * E * b * (N // lay.cp) * D, 4 * L + R, "tp"))
+    if lay.cp > 1:  # keys and values gathered in forward; in backward their gradients summed
+        # (reduce-scatter done as all-reduce + slice on gloo); the head's output gathered
+        parts.append(("all_gather", lay.cp, 2 * (L + R) * E * b * N * D // tp, 2 * (L + R), "cp"))
+        parts.append(("all_reduce", lay.cp, 2 * L * E * b * N * D // tp, 2 * L, "cp"))
+        if last:
+            parts.append(("all_gather", lay.cp, E * b * N * m.c_out * m.patch**2, 1, "cp"))
+        # every gradient summed over cp: by each parameter's hook, or per DDP bucket when DDP runs
+        ddp = lay.dp > 1 and lay.pp == 1 and lay.data_parallel != "fsdp"
+        calls = ddp_buckets(grad_bytes) if ddp else len(shapes)
+        parts.append(("all_reduce", lay.cp, grad_bytes, calls, "cp"))
+    if lay.pp > 1:
+        mb = E * (b // lay.microbatches) * N * D  # one micro-batch's tokens at a stage boundary
+        # per micro-batch each stage sends its output on (not the last) and its input's
+        # gradient back (not the first)
+        sends = lay.microbatches * (2 * lay.chunks - (pp_rank == lay.pp - 1) - (pp_rank == 0))
+        parts += [("send", 2, sends * mb, sends, "pp"), ("recv", 2, sends * mb, sends, "pp")]
+        parts.append(("all_reduce", lay.pp, 4, 1, "pp"))  # the batch's loss, shared by the stages
+    if lay.dp > 1:
+        if lay.data_parallel == "fsdp":  # blocks gathered in forward and again in backward; the
+            # root (embedding, norm, head) once: it is not resharded after forward
+            block_elems = [padded([s for s in shapes if s[0].startswith(f"blocks.{i}.")], lay.dp)
+                           for i in blocks]
+            root = padded([s for s in shapes if not s[0].startswith("blocks.")], lay.dp)
+            parts.append(("all_gather", lay.dp, E * (2 * sum(block_elems) + root), 2 * L + 1, "dp"))
+            parts.append(("reduce_scatter", lay.dp, E * (sum(block_elems) + root), L + 1, "dp"))
+        else:  # DDP's bucketed all-reduce (one flat all-reduce after a pipeline's flush)
+            calls = ddp_buckets(grad_bytes) if lay.pp == 1 else 1
+            parts.append(("all_reduce", lay.dp, grad_bytes, calls, "dp"))
+            if lay.data_parallel == "zero1":  # each owner broadcasts its updated tensors
+                parts.append(("broadcast", lay.dp, grad_bytes, len(shapes), "dp"))
+    return parts if with_dims else [p[:4] for p in parts]
+
+
+def collectives(m: Model, lay: Layout, pp_rank: int = 0) -> dict[str, tuple[int, int]]:
+    """(bytes, calls) per kind of collective in one step on this rank."""
+    out: dict[str, tuple[int, int]] = {}
+    for kind, _, nbytes, calls in collective_parts(m, lay, pp_rank):
+        was = out.get(kind, (0, 0))
+        out[kind] = (was[0] + nbytes, was[1] + calls)
+    return out
+
+
+def ddp_buckets(nbytes: int, cap_mb: float = 25.0) -> int:
+    """DDP's all-reduce calls per step: buckets of cap_mb (DDP rebuilds its buckets in the order
+    of the first backward; a bucket closes at the first tensor that takes it past the cap)."""
+    return max(1, math.ceil(nbytes / (cap_mb * MIB)))
+
+
+# ------------------------------------------------------------------ time ---
+def layer_costs(m: Model, lay: Layout, pp_rank: int = 0) -> list[tuple[str, float, float]]:
+    """(layer, FLOPs, bytes moved) of one step on this rank, forward and backward together: a
+    matmul moves its two inputs and its output (E (r k + k c + r c)); a layer norm, GELU or
+    residual add reads and writes its tensors (2 or 3 per element) and does next to no
+    arithmetic. Backward does twice the forward's work of each (three times in all)."""
+    blocks, first, last = stage_blocks(m, lay, pp_rank)
+    b, D, F, tp = lay.local_batch, m.dim, m.hidden, lay.tp
+    n = m.tokens // lay.cp
+    out: list[tuple[str, float, float]] = []
+    for i in blocks:
+        again = recomputed(lay, i)
+        for name, (r, k, c) in block_matmuls(m, lay, i).items():
+            times = 3 + (again and name != "fc2")  # forward, backward (2x), the recomputed forward
+            out.append((name, times * b * 2 * r * k * c, times * E * (b * r * k + k * c + b * r * c)))
+        elementwise = n * (2 * D + 2 * D + 3 * D + 3 * D) + n * 2 * F // tp  # norms, adds, GELU
+        out.append(("norms, GELU, residuals", 0.0, (3 + again) * E * b * elementwise))
+    if first:
+        k_in = m.c_in * m.patch**2
+        out.append(("patch embedding", 2 * 2 * b * m.tokens * k_in * D,
+                    2 * E * (b * m.tokens * k_in + k_in * D + b * m.tokens * D)))
+    if last:
+        k_out = m.c_out * m.patch**2
+        out.append(("head", 3 * 2 * b * n * D * k_out, 3 * E * (b * n * D + D * k_out + b * n * k_out)))
+        out.append(("norm and loss", 0.0, 3 * E * b * (2 * n * D + 3 * m.c_out * m.pixels)))
+    return out
+
+
+def machine_for(machine: dict[str, Any], ranks: int) -> dict[str, Any]:
+    """The compute constants of one of ``ranks`` ranks running at once: measured for that many
+    on a CPU (they share its cores); a GPU's own, whatever the number."""
+    if "by_ranks" not in machine:
+        return machine
+    by = machine["by_ranks"]
+    key = str(ranks) if str(ranks) in by else max(by, key=int)
+    return by[key]
+
+
+# the share of a collective's payload that crosses each rank's link in a ring (NCCL's algorithm
+# for large messages): an all-reduce is a reduce-scatter then an all-gather
+RING = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g,
+        "reduce_scatter": lambda g: (g - 1) / g, "all_to_all": lambda g: (g - 1) / g,
+        "broadcast": lambda g: 1.0, "send": lambda g: 1.0}
+
+
+def collective_seconds(machine: dict[str, Any], kind: str, group: int, nbytes: float, calls: int,
+                       spans_nodes: bool = False) -> float:
+    """calls x latency + bytes / bandwidth. Measured machines: the latency and payload bandwidth
+    fitted for this kind and group size (or the nearest larger one measured). GPU systems: the
+    link's (NVLink in a node, the network across nodes) latency and bandwidth, with the ring's
+    share of the payload. A receive is timed with its send."""
+    if kind == "recv":
+        return 0.0
+    if "links" in machine:
+        latency, bandwidth = machine["links"]["network" if spans_nodes else "node"]
+        return calls * latency + RING[kind](group) * nbytes / bandwidth
+    by = machine["by_ranks"]
+    sizes = sorted(int(k) for k in by if "collectives" in by[k])
+    size = next((s for s in sizes if s >= group), sizes[-1])
+    latency, bandwidth = by[str(size)]["collectives"][kind]
+    return calls * latency + nbytes / bandwidth
+
+
+def step_time(m: Model, lay: Layout, machine: dict[str, Any], dtype: str = "float32") -> dict[str, float]:
+    """Seconds of one step: each layer at the slower of its arithmetic (FLOPs / achieved matmul
+    FLOP/s) and its memory traffic (bytes / bandwidth), the roofline; Adam; every collective
+    (latency + bytes / bandwidth); for a pipeline the bubble. What overlaps: on a GPU
+    machine, ``overlap`` of the gradient synchronisation hides behind backward; on this CPU
+    nothing does (gloo's threads share the cores with the computation). The slowest rank sets
+    the step's time."""
+    c = machine_for(machine, lay.ranks)
+    rate = c["matmul_flops"][dtype]
+    moved = 0.5 if dtype != "float32" else 1.0  # bf16/fp16 activations: half the bytes
+    per_node = machine.get("gpus_per_node") or lay.ranks
+    # the ranks of a tp, cp or pp group are neighbours (parallel_order tp-cp-dp, pp slowest):
+    # a group leaves the node when it is larger than the node, dp when the model group times dp is
+    spans = {"tp": lay.tp > per_node, "cp": lay.tp * lay.cp > per_node, "dp": lay.ranks > per_node,
+             "pp": lay.ranks > per_node}
+    per_rank = []
+    for pp_rank in range(lay.pp):
+        compute = 0.0
+        for _, f, by in layer_costs(m, lay, pp_rank):
+            big = "large" if f > 0 and by and f / by > 64 else "small"  # arithmetic intensity
+            compute += max(f / rate[big] if f else 0.0, moved * by / c["memory_bandwidth"])
+        mem = memory(m, lay, pp_rank)
+        optimizer = mem["optimizer_state"] / (2 * E) * c["adam_seconds_per_parameter"]
+        comm = {"gradients": 0.0, "activations": 0.0}
+        for kind, group, nbytes, calls, dim in collective_parts(m, lay, pp_rank, with_dims=True):
+            if dim != "dp":  # activations travel in the compute dtype (gradients stay fp32)
+                nbytes *= moved
+            seconds = collective_seconds(machine, kind, group, nbytes, calls, spans[dim])
+            comm["gradients" if dim == "dp" else "activations"] += seconds
+        hidden = min(comm["gradients"], machine.get("overlap", 0.0) * compute * 2 / 3)
+        per_rank.append({"compute": compute, "optimizer": optimizer, "communication":
+                         comm["gradients"] - hidden + comm["activations"]})
+    worst = max(per_rank, key=lambda r: sum(r.values()))
+    out = dict(worst)
+    if lay.pp > 1:  # the bubble: (pp - 1) stage-steps of one micro-batch while the pipeline fills
+        # and drains; interleaving makes a stage-step 1/v as long; zero bubble fills about two
+        # thirds of it with the weight gradients (a rough figure: it depends on the schedule)
+        stage = sum(r["compute"] + r["communication"] for r in per_rank) / lay.pp / lay.microbatches
+        bubble = (lay.pp - 1) * stage / lay.chunks
+        cores = machine.get("cores")
+        if cores and lay.ranks > cores:  # ranks share the cores: one that waits lends its core
+            bubble *= cores / lay.ranks
+        out["pipeline bubble"] = bubble / 3 if lay.schedule == "zero_bubble" else bubble
+    out["total"] = sum(out.values())
+    return out
+
+
+def predict(m: Model, lay: Layout, machine: dict[str, Any] | None) -> dict[str, Any]:
+    """Everything the model says of one layout, for rank 0 (pipeline: every stage's rank)."""
+    return {"layout": lay.name, "flops": flops(m, lay), "memory": memory(m, lay),
+            "collectives": collectives(m, lay),
+            "time": step_time(m, lay, machine) if machine else None}
+
+
+# ------------------------------------------------------------------ known GPU systems ---
+# Vendor peak figures (dense, no sparsity). The model uses them as they are: on a GPU it
+# predicts what the hardware allows, and the gap to a published run is what the code leaves
+# on the table (kernel efficiency, launches, the data loader).
+GPU_SYSTEMS: dict[str, dict[str, Any]] = {
+    "a100-perlmutter": {
+        "name": "Perlmutter GPU node: 4 x A100-SXM4 40 GB, NVLink 3, Slingshot 11 (vendor peaks)",
+        "source": "NVIDIA A100 datasheet (312 TFLOP/s bf16, 156 TF32, 19.5 fp32; 1555 GB/s HBM2); "
+                  "NERSC Perlmutter architecture page (4 NVLink 3 links of 25 GB/s per direction between "
+                  "each pair of a node's GPUs: 300 GB/s per GPU, which NCCL's rings share out; 4 Slingshot "
+                  "11 NICs of 25 GB/s per node)",
+        "gpus_per_node": 4, "overlap": 1.0,
+        "matmul_flops": {"bfloat16": {"large": 312e12, "small": 312e12},
+                         "float32": {"large": 156e12, "small": 156e12}},  # fp32 matmuls on TF32 cores
+        "memory_bandwidth": 1555e9, "adam_seconds_per_parameter": 16 * 4 / 1555e9,  # 16 fp32 reads+writes
+        "links": {"node": [10e-6, 300e9], "network": [20e-6, 25e9]},
+    },
+    "h100-node": {
+        "name": "4 x H100-SXM5 80 GB, NVLink 4, 4 x 200 Gb/s network (vendor peaks)",
+        "source": "NVIDIA H100 datasheet (989 TFLOP/s bf16, 494 TF32; 3.35 TB/s HBM3; NVLink 4 "
+                  "900 GB/s per GPU, both directions); 200 Gb/s (25 GB/s) per NIC",
+        "gpus_per_node": 4, "overlap": 1.0,
+        "matmul_flops": {"bfloat16": {"large": 989e12, "small": 989e12},
+                         "float32": {"large": 494e12, "small": 494e12}},
+        "memory_bandwidth": 3350e9, "adam_seconds_per_parameter": 16 * 4 / 3350e9,
+        "links": {"node": [10e-6, 450e9], "network": [20e-6, 25e9]},
+    },
+}
+
+# Published results of the original tutorials (NERSC's SC23 and SC25 "Deep Learning at Scale"),
+# as (what, config, layout, dtype, samples/s published)
+PUBLISHED = (
+    ("SC23 single A100, last rung (bf16, fused Adam, compile)", "short_opt", Layout(1), "bfloat16", 42.8),
+    ("SC25 single A100, bf16 + fused + compile", "short_opt", Layout(1), "bfloat16", 64.0),
+    ("SC25 data parallel, 4 A100s, batch 64", "bs64_opt", Layout(4, batch=64), "bfloat16", 203.0),
+    ("SC25 tensor parallel 4 (mp), batch 64", "mp", Layout(4, tp=4, batch=64), "bfloat16", 126.4),
+    ("SC25 context parallel 4 (mp), batch 64", "mp", Layout(4, cp=4, batch=64), "bfloat16", 165.9),
+)
+
+
+def load_machine(path: Path | None) -> dict[str, Any] | None:
+    """A constants file (--calibrate writes one), or a known GPU system by name."""
+    if path is None:
+        return json.loads(CONSTANTS_FILE.read_text()) if CONSTANTS_FILE.is_file() else None
+    if str(path) in GPU_SYSTEMS:
+        return GPU_SYSTEMS[str(path)]
+    if not Path(path).is_file():
+        raise SystemExit(f"error: no machine constants at {path}: run `python scripts/cost_model.py "
+                         f"--calibrate` or name one of {', '.join(GPU_SYSTEMS)}")
+    return json.loads(Path(path).read_text())
+
+
+# ------------------------------------------------------------------ plan ---
+def candidate_layouts(m: Model, ranks: int, batch: int, microbatches: int = 4) -> list[Layout]:
+    """Every layout of ``ranks`` ranks this code can run for this model and batch."""
+    out = []
+    divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
+    for tp in divisors:
+        for cp in divisors:
+            for pp in divisors:
+                if ranks % (tp * cp * pp):
+                    continue
+                dp = ranks // (tp * cp * pp)
+                if (m.heads % tp or m.hidden % tp or m.tokens % cp or m.depth < pp or batch % dp
+                        or pp > 1 and (batch // dp) % microbatches):
+                    continue
+                for mode in (("ddp", "zero1", "fsdp") if dp > 1 else ("ddp",)):
+                    for schedule in (("1f1b", "gpipe") if pp > 1 else ("1f1b",)):
+                        for ckpt in ("none", "full"):
+                            out.append(Layout(ranks, mode, tp, cp, pp, schedule=schedule, batch=batch,
+                                              microbatches=microbatches, checkpointing=ckpt))
+    return out
+
+
+def plan(m: Model, ranks: int, batch: int, gpu_memory: float, machine: dict[str, Any],
+         dtype: str = "float32") -> list[dict[str, Any]]:
+    """The layouts whose largest rank fits in ``gpu_memory`` bytes, fastest first, with the
+    term that dominates each one's step."""
+    rows = []
+    for lay in candidate_layouts(m, ranks, batch):
+        need = max(memory(m, lay, r)["total"] for r in range(lay.pp))
+        if need > gpu_memory:
+            continue
+        t = step_time(m, lay, machine, dtype)
+        terms = {k: v for k, v in t.items() if k != "total"}
+        rows.append({"layout": lay, "seconds": t["total"], "memory": need,
+                     "dominant": max(terms, key=terms.get), "terms": terms})
+    return sorted(rows, key=lambda r: r["seconds"])
+
+
+# ------------------------------------------------------------------ check ---
+CHECKED: tuple[Layout, ...] = (
+    Layout(1), Layout(2), Layout(4), Layout(2, "zero1"), Layout(4, "zero1"), Layout(2, "fsdp"),
+    Layout(4, "fsdp"), Layout(2, tp=2), Layout(2, cp=2), Layout(4, tp=2),
+    Layout(2, pp=2, schedule="gpipe"), Layout(2, pp=2), Layout(4, pp=4, schedule="gpipe"), Layout(4, pp=4),
+    Layout(2, checkpointing="full"),
+)
+
+
+def error(predicted: float, measured: float) -> float:
+    return predicted / measured - 1 if measured else (0.0 if predicted == 0 else math.inf)
+
+
+def check_layout(m: Model, lay: Layout, machine: dict[str, Any], records: list[dict[str, Any]]) -> dict:
+    """Predicted against measured, every rank: FLOPs, bytes and memory per rank (the worst
+    error over the ranks), step time (the median over the timed steps of the slowest rank)."""
+    worst = {"flops": 0.0, "bytes": 0.0, "memory": 0.0}
+    for r in records:
+        pp_rank, dp_rank = r["pp_rank"], r["dp_rank"]
+        mem = memory(m, lay, pp_rank, dp_rank)
+        measured_mem = (r["held"]["parameters"] + r["held"]["step_gradients"] + r["held"]["optimizer_state"]
+                        + r["saved_peak_bytes"])
+        sent = {k: v[0] for k, v in collectives(m, lay, pp_rank).items()}
+        kinds = set(sent) | set(r["comm_bytes"])
+        worst["flops"] = max(worst["flops"], abs(error(flops(m, lay, pp_rank)["total"], r["flops"])))
+        worst["memory"] = max(worst["memory"], abs(error(mem["total"], measured_mem)))
+        worst["bytes"] = max([worst["bytes"]] + [abs(error(sent.get(k, 0), r["comm_bytes"].get(k, 0)))
+                                                 for k in kinds])
+    steps = list(zip(*[[s for s in r["seconds"] if s is not None][1:] for r in records]))
+    measured_time = sorted(max(s) for s in steps)[len(steps) // 2]
+    predicted = step_time(m, lay, machine)
+    r0 = records[0]
+    return {"layout": lay.name, "ranks": lay.ranks, "flops": r0["flops"], "flops_error": worst["flops"],
+            "bytes": sum(r0["comm_bytes"].values()), "bytes_error": worst["bytes"],
+            "memory": memory(m, lay)["total"], "memory_error": worst["memory"],
+            "predicted_s": predicted["total"], "measured_s": measured_time,
+            "time_error": error(predicted["total"], measured_time), "terms": predicted}
+
+
+def run_check(args: argparse.Namespace, m: Model) -> list[dict[str, Any]]:
+    import shutil
+
+    from scripts.cost_measure import calibrate, measure_layout
+
+    print("calibrating this machine (matmuls, memory, Adam, collectives on 2 and 4 ranks) ...", flush=True)
+    machine = calibrate()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "machine.json").write_text(json.dumps(machine, indent=1))
+    runs = args.out / "runs"
+    shutil.rmtree(runs, ignore_errors=True)  # every check trains from scratch
+    rows = []
+    for lay in CHECKED:
+        print(f"  {lay.name} on {lay.ranks} rank(s)", flush=True)
+        records = measure_layout(lay.name, lay.ranks, lay.flags() + [f"--limit_nsamples={lay.batch * 12}"],
+                                 runs, args.config, args.yaml_config, steps=args.steps)
+        rows.append(check_layout(m, lay, machine, records))
+    return rows
+
+
+def check_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| layout | ranks | GFLOP/rank | FLOPs error | MB sent/rank | bytes error | MiB/rank "
+             "| memory error | predicted ms | measured ms | time error |", "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['layout']} | {r['ranks']} | {r['flops'] / 1e9:.3f} | {r['flops_error']:.1%} "
+                     f"| {r['bytes'] / 1e6:.2f} | {r['bytes_error']:.1%} | {r['memory'] / MIB:.1f} "
+                     f"| {r['memory_error']:.1%} | {r['predicted_s'] * 1e3:.0f} "
+                     f"| {r['measured_s'] * 1e3:.0f} | {r['time_error']:+.0%} |")
+    return "\n".join(lines)
+
+
+def plot_check(rows: list[dict[str, Any]], path: Path) -> None:
+    """Predicted against measured step time, one point per layout, the 25% band shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 5))
+    top = 1.15 * max(max(r["predicted_s"], r["measured_s"]) for r in rows) * 1e3
+    ax.fill_between([0, top], [0, 0.75 * top], [0, 1.25 * top], color="0.9", label="within 25%")
+    ax.plot([0, top], [0, top], color="0.5", lw=1)
+    for r in rows:
+        ax.scatter(r["measured_s"] * 1e3, r["predicted_s"] * 1e3, s=18)
+        ax.annotate(r["layout"], (r["measured_s"] * 1e3, r["predicted_s"] * 1e3), fontsize=6,
+                    xytext=(3, 2), textcoords="offset points")
+    ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured ms per step", ylabel="predicted ms per step",
+           title="cost model against runs (tiny, this machine)")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ command line ---
+def layout_from(args: argparse.Namespace) -> Layout:
+    return Layout(args.ranks, args.data_parallel, args.tensor_parallel, args.context_parallel,
+                  args.pipeline_parallel, args.expert_parallel, args.pipeline_schedule, args.num_microbatches,
+                  args.stages_per_rank, args.activation_checkpointing, args.global_batch_size)
+
+
+def show(m: Model, lay: Layout, machine: dict[str, Any] | None, dtype: str) -> str:
+    lines = [f"{lay.name} on {lay.ranks} rank(s), global batch {lay.batch}:"]
+    for pp_rank in range(lay.pp):
+        who = f"  pipeline rank {pp_rank}: " if lay.pp > 1 else "  "
+        f = flops(m, lay, pp_rank)
+        lines.append(f"{who}{f['total'] / 1e9:.3f} GFLOP per step (" +
+                     ", ".join(f"{k} {v / 1e9:.3f}" for k, v in f.items() if k != "total") + ")")
+        mem = memory(m, lay, pp_rank)
+        lines.append(f"{who}memory {mem['total'] / MIB:.1f} MiB: " +
+                     ", ".join(f"{k} {v / MIB:.1f}" for k, v in mem.items() if k != "total"))
+        for kind, (nbytes, calls) in collectives(m, lay, pp_rank).items():
+            lines.append(f"{who}{kind}: {nbytes / 1e6:.3f} MB in {calls} call(s)")
+    if machine:
+        t = step_time(m, lay, machine, dtype)
+        lines.append(f"  step {t['total'] * 1e3:.1f} ms on {machine['name']}: " +
+                     ", ".join(f"{k} {v * 1e3:.1f}" for k, v in t.items() if k != "total") +
+                     f"; {lay.batch / t['total']:.1f} samples/s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from utils.config import DEFAULT_YAML, load_config
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--data_parallel", default="ddp", choices=("ddp", "zero1", "fsdp"))
+    p.add_argument("--tensor_parallel", type=int, default=1)
+    p.add_argument("--context_parallel", type=int, default=1)
+    p.add_argument("--pipeline_parallel", type=int, default=1)
+    p.add_argument("--expert_parallel", type=int, default=1)
+    p.add_argument("--pipeline_schedule", default="1f1b",
+                   choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
+    p.add_argument("--num_microbatches", type=int, default=4)
+    p.add_argument("--stages_per_rank", type=int, default=2)
+    p.add_argument("--activation_checkpointing", default="none", choices=("none", "full", "selective"))
+    p.add_argument("--global_batch_size", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the matmuls' precision for the time (memory is counted in fp32)")
+    p.add_argument("--machine", default=None, help="constants file (default: the last --calibrate's) or "
+                   f"a known system: {', '.join(GPU_SYSTEMS)}")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine's constants")
+    p.add_argument("--check", action="store_true", help="run the checked layouts, compare")
+    p.add_argument("--published", action="store_true", help="the original tutorials' results beside "
+                   "the model's predictions for an A100 node")
+    p.add_argument("--plan", action="store_true", help="the layouts that fit, fastest first")
+    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--gpu_memory_gb", type=float, default=40.0)
+    p.add_argument("--steps", type=int, default=10, help="--check: steps per run (3 untimed)")
+    p.add_argument("--out", type=Path, default=REPO / "logs" / "cost_model")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.yaml_config, args.config)
+    except (KeyError, ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    m = Model.from_config(cfg)
+    if args.global_batch_size is None:
+        args.global_batch_size = cfg.global_batch_size
+    if args.calibrate:
+        from scripts.cost_measure import calibrate
+
+        machine = calibrate()
+        CONSTANTS_FILE.parent.mkdir(parents=True, exist_ok=True)
+        CONSTANTS_FILE.write_text(json.dumps(machine, indent=1))
+        for r, c in machine["by_ranks"].items():
+            print(f"{r} rank(s) at once: fp32 matmul {c['matmul_flops']['float32']['large'] / 1e9:.0f} "
+                  f"GFLOP/s, bf16 {c['matmul_flops']['bfloat16']['large'] / 1e9:.0f}, memory "
+                  f"{c['memory_bandwidth'] / 1e9:.1f} GB/s per rank" + "".join(
+                      f"; {k} {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s"
+                      for k, (lat, bw) in c.get("collectives", {}).items()))
+        print(f"written to {CONSTANTS_FILE.relative_to(REPO)}")
+        return 0
+    if args.check:
+        rows = run_check(args, m)
+        table = check_table(rows)
+        (args.out / "check.md").write_text(table + "\n")
+        (args.out / "check.json").write_text(json.dumps(rows, indent=1))
+        plot_check(rows, args.out / "check.png")
+        print(table)
+        good = sum(abs(r["time_error"]) <= 0.25 for r in rows)
+        print(f"step time within 25% for {good} of {len(rows)} layouts; written to {args.out}")
+        return 0
+    machine = load_machine(Path(args.machine) if args.machine else None)
+    if args.published:
+        a100 = GPU_SYSTEMS["a100-perlmutter"]
+        print("| published run | predicted samples/s | published | error |\n|---|---|---|---|")
+        for what, name, lay, dtype, published in PUBLISHED:
+            pm = Model.from_config(load_config(args.yaml_config, name))
+            t = step_time(pm, lay, a100, dtype)["total"]
+            print(f"| {what} | {lay.batch / t:.1f} | {published} | {lay.batch / t / published - 1:+.0%} |")
+        return 0
+    if args.plan:
+        if machine is None:
+            raise SystemExit("error: plan needs machine constants: run --calibrate first or give --machine")
+        rows = plan(m, args.gpus, args.global_batch_size, args.gpu_memory_gb * 2**30, machine, args.dtype)
+        if not rows:
+            print(f"no layout of {args.gpus} ranks fits {args.gpu_memory_gb} GB per rank")
+            return 1
+        print(f"layouts of {args.config} on {args.gpus} ranks within {args.gpu_memory_gb} GB, fastest first "
+              f"({machine['name']}):")
+        for r in rows[:12]:
+            print(f"  {r['layout'].name:32} {r['seconds'] * 1e3:8.1f} ms  {r['memory'] / 2**30:7.3f} GB  "
+                  f"dominated by {r['dominant']}")
+        return 0
+    print(show(m, layout_from(args), machine, args.dtype))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

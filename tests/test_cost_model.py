@@ -1,0 +1,124 @@
+"""The cost model (scripts/cost_model.py) against the code it models: parameter shapes, FLOPs
+(torch.utils.flop_counter) and activation memory (autograd's saved tensors) on the serial model
+in this process; bytes, memory and FLOPs of every rank in real training runs of several
+layouts; the plan's ranking; the command line's errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from distributed.parallelize import apply_activation_checkpointing
+from networks.vit import build_vit
+from scripts import cost_model as cm
+from scripts.cost_measure import ActivationMeter, measure_layout
+from tests.conftest import REPO, subprocess_env
+from tests.ddp_helpers import write_test_yaml
+from utils import attention
+from utils.config import DEFAULT_YAML, load_config, with_overrides
+from utils.metrics import relative_l2_loss
+
+pytestmark = pytest.mark.timeout(300)
+
+# constants of an imaginary machine: the plan and the time need some, the checks here don't time
+MACHINE = {"name": "test", "overlap": 0.0, "cores": 4, "by_ranks": {
+    str(r): {"matmul_flops": {"float32": {"large": 1e11, "small": 5e10},
+                              "bfloat16": {"large": 4e11, "small": 2e11}},
+             "memory_bandwidth": 1e10, "adam_seconds_per_parameter": 1e-9,
+             "collectives": {k: [1e-4, 1e9] for k in cm.RING}} for r in (1, 2, 4)}}
+
+
+def tiny(**overrides):
+    return with_overrides(load_config(DEFAULT_YAML, "tiny"), **overrides)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"num_experts": 4, "moe_top_k": 2}])
+def test_parameter_shapes_are_the_models(overrides):
+    cfg = tiny(**overrides)
+    real = [(n, tuple(p.shape)) for n, p in build_vit(cfg).named_parameters()]
+    assert cm.parameter_shapes(cm.Model.from_config(cfg)) == real
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+def test_flops_and_activations_of_the_serial_model(checkpointing):
+    """FlopCounterMode (attention by the math kernel, whose matmuls it sees) and the saved tensors
+    of one forward and backward of the real model, batch 2, against the formulas."""
+    cfg = tiny()
+    model = apply_activation_checkpointing(build_vit(cfg), checkpointing)
+    x, y = torch.randn(2, 20, 32, 64), torch.randn(2, 20, 32, 64)
+    meter = ActivationMeter()
+    with FlopCounterMode(display=False) as counter, attention.kernel("math"):
+        relative_l2_loss(model(x), y).backward()
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):  # the default kernel
+        relative_l2_loss(model(x), y).backward()
+    lay = cm.Layout(1, batch=2, checkpointing=checkpointing)
+    m = cm.Model.from_config(cfg)
+    assert cm.flops(m, lay)["total"] == counter.get_total_flops()
+    assert cm.activation_bytes(m, lay)["total"] == meter.peak
+
+
+def test_layouts_measured_in_real_runs(data_dir, tmp_path):
+    """Four 2-rank training runs (train_mp.py's loop): every rank's FLOPs, bytes of each
+    collective, parameters, gradients, optimizer state and saved activations exactly as predicted
+    (FSDP's padding; context parallel's gathers and per-parameter gradient sums, every other block
+    recomputed; tensor parallel with every block recomputed; a pipeline's transfers and
+    micro-batches in flight)."""
+    yaml = write_test_yaml(tmp_path / "ViT.yaml")
+    m = cm.Model.from_config(load_config(yaml, "tiny"))
+    layouts = [cm.Layout(2, "fsdp", batch=8), cm.Layout(2, cp=2, checkpointing="selective", batch=8),
+               cm.Layout(2, tp=2, checkpointing="full", batch=8),
+               cm.Layout(2, pp=2, schedule="gpipe", batch=8)]
+    for lay in layouts:
+        flags = lay.flags() + [f"--data_dir={data_dir}", "--limit_nsamples=40"]
+        records = measure_layout(lay.name, 2, flags, tmp_path / "runs", "tiny", str(yaml), steps=4)
+        assert len(records) == 2
+        row = cm.check_layout(m, lay, MACHINE, records)
+        assert row["flops_error"] == row["bytes_error"] == row["memory_error"] == 0, (lay.name, records)
+        for r in records:
+            want = {k: v[1] for k, v in cm.collectives(m, lay, r["pp_rank"]).items()}
+            assert r["comm_calls"] == want, lay.name
+
+
+def test_the_plan_ranks_what_fits():
+    m = cm.Model.from_config(tiny())
+    rows = cm.plan(m, 4, 16, 2**30, MACHINE)
+    seconds = [r["seconds"] for r in rows]
+    assert seconds == sorted(seconds) and len(rows) > 10
+    assert {r["layout"].ranks for r in rows} == {4}
+    # a memory limit between the layouts' needs keeps only those under it
+    needs = sorted({r["memory"] for r in rows})
+    limit = needs[len(needs) // 2]
+    kept = cm.plan(m, 4, 16, limit, MACHINE)
+    assert kept and all(r["memory"] <= limit for r in kept) and len(kept) < len(rows)
+
+
+def test_pipeline_bubble_and_overlap_in_the_time():
+    m = cm.Model.from_config(tiny())
+    few, many = (cm.step_time(m, cm.Layout(2, pp=2, microbatches=k), MACHINE) for k in (2, 8))
+    assert few["pipeline bubble"] > many["pipeline bubble"] > 0  # (p - 1) / m of a step
+    hidden = cm.step_time(m, cm.Layout(2), {**MACHINE, "overlap": 1.0})
+    assert hidden["communication"] < cm.step_time(m, cm.Layout(2), MACHINE)["communication"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/cost_model.py", *args], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_command_line(tmp_path):
+    machine = tmp_path / "machine.json"
+    machine.write_text(json.dumps(MACHINE))
+    done = run_cli("--config", "tiny", "--ranks", "2", "--data_parallel", "fsdp", "--machine", str(machine))
+    assert done.returncode == 0 and "all_gather" in done.stdout and "samples/s" in done.stdout
+    done = run_cli("--config", "tiny", "--plan", "--gpus", "4", "--gpu_memory_gb", "1",
+                   "--machine", str(machine))
+    assert done.returncode == 0 and "fastest first" in done.stdout
+    missing = ["--machine", str(tmp_path / "none.json")]
+    for bad, says in ((["--config", "nope"], "error:"), (missing, "--calibrate")):
+        done = run_cli(*bad)
+        assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr
