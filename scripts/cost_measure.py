@@ -223,19 +223,35 @@ BROADCAST_BATCH = 8  # broadcasts in one timed call (their latency per call is w
 
 
 def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
-    """This process's achieved matmul FLOP/s per dtype (1024 x 1024 x 1024 and 512 x 128 x 384
+    """This rank's achieved matmul FLOP/s per dtype (1024 x 1024 x 1024 and 512 x 128 x 384
     products: the second is the size of a small model's layers), memory bandwidth (bytes read
     + written by an add of 64 MiB tensors) and Adam's seconds per parameter (torch's
-    default implementation on a million parameters in 8 tensors)."""
+    default implementation on a million parameters in 8 tensors).
+
+    With several ranks (a process group) every rank does the same number of calls, started
+    together, and the time is until the last one is done: ranks that share cores share them
+    over the whole measurement, as in a training step, whatever the scheduler did meanwhile."""
     import torch
+    import torch.distributed as dist
+
+    group = dist.is_initialized()
 
     def timed(fn) -> float:
         fn()
         start, runs = time.perf_counter(), 0
-        while time.perf_counter() - start < seconds:
+        while time.perf_counter() - start < seconds / 5:  # how many calls make about `seconds`
             fn()
             runs += 1
-        return (time.perf_counter() - start) / runs
+        calls = torch.tensor([max(1, 5 * runs)])
+        if group:  # the same number on every rank
+            dist.all_reduce(calls, op=dist.ReduceOp.MIN)
+            dist.barrier()
+        start = time.perf_counter()
+        for _ in range(int(calls)):
+            fn()
+        if group:
+            dist.barrier()
+        return (time.perf_counter() - start) / int(calls)
 
     out: dict[str, Any] = {"matmul_flops": {}}
     for dtype in (torch.float32, torch.bfloat16):

@@ -20,7 +20,7 @@ from utils.data_loader import ERA5Dataset
 
 VARIANT = os.environ.get("EXERCISE_VARIANT", "solution")
 NAMES = ("sample_index", "amp_step", "allreduce_grads", "compress_hook", "tp_mlp", "tp_mlp_split",
-         "grad_accum", "pipeline_balance", "lamb_trust", "dispatch", "zero_memory")
+         "grad_accum", "pipeline_balance", "lamb_trust", "dispatch", "zero_memory", "activation_memory")
 
 
 def exercise(name: str, variant: str = VARIANT):
@@ -51,7 +51,7 @@ def test_shipped_exercises_are_unsolved(name, tmp_path):
     module = shipped_exercise(name, tmp_path)
     functions = ("locate", "amp_step", "average_gradients", "bf16_hook", "shard_mlp", "tp_mlp_forward",
                  "accumulate_gradients", "balance_stages", "lamb_update", "dispatch_plan",
-                 "zero_bytes_per_rank")
+                 "zero_bytes_per_rank", "block_activation_bytes")
     fn = next(getattr(module, f) for f in functions if hasattr(module, f))
     with pytest.raises(NotImplementedError, match="exercise"):
         fn(*([None] * fn.__code__.co_argcount))
@@ -465,3 +465,30 @@ def test_zero_memory():
     for stage in range(4):
         assert per_rank(1000, 1, stage, 4, 4, 8) == {"parameters": 4000, "gradients": 4000,
                                                      "optimizer_state": 8000}
+
+
+def test_activation_memory():
+    """One block's saved tensors, counted on the real block (networks/vit.py) for two sizes; with
+    tensor parallelism, the cost model's count (tests/test_cost_model.py checks it against runs)."""
+    from networks.vit import Block
+    from scripts import cost_model as cm
+    from scripts.cost_measure import ActivationMeter
+
+    predict = exercise("activation_memory").block_activation_bytes
+    for batch, tokens, dim, heads in ((2, 16, 32, 4), (3, 8, 64, 8)):
+        block = Block(dim, heads, mlp_ratio=4.0, dropout=0.0)
+        meter = ActivationMeter()
+        x = torch.randn(batch, tokens, dim, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            block(x).sum().backward()
+        got = predict(batch, tokens, dim, 4 * dim, heads)
+        assert got == meter.peak, (
+            f"batch {batch}, {tokens} tokens, D {dim}, {heads} heads: you predict {got} bytes, the block "
+            f"keeps {meter.peak}" + (" (the layer norms keep 2 floats per token each)"
+                                     if got + 16 * batch * tokens == meter.peak else ""))
+    m = cm.Model(img=(32, 64), patch=4, c_in=20, c_out=20, dim=128, depth=4, heads=4)
+    for tp in (2, 4):
+        want = cm.activation_bytes(m, cm.Layout(tp, tp=tp, batch=8))["blocks"] // m.depth
+        got = predict(8, m.tokens, m.dim, m.hidden, m.heads, tp=tp)
+        assert got == want, f"tp {tp}: you predict {got} bytes per block, the cost model {want} " \
+                            "(split only what lives between the column- and row-parallel layers)"
