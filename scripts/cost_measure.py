@@ -234,21 +234,27 @@ def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from utils import device as dev
+
     group = dist.is_initialized()
+    device = calibration_device()
 
     def timed(fn) -> float:
         fn()
+        dev.synchronize(device)
         start, runs = time.perf_counter(), 0
         while time.perf_counter() - start < seconds / 5:  # how many calls make about `seconds`
             fn()
+            dev.synchronize(device)
             runs += 1
-        calls = torch.tensor([max(1, 5 * runs)])
+        calls = torch.tensor([max(1, 5 * runs)], device=device)
         if group:  # the same number on every rank
             dist.all_reduce(calls, op=dist.ReduceOp.MIN)
             dist.barrier()
         start = time.perf_counter()
         for _ in range(int(calls)):
             fn()
+        dev.synchronize(device)
         if group:
             dist.barrier()
         return (time.perf_counter() - start) / int(calls)
@@ -257,12 +263,13 @@ def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
     for dtype in (torch.float32, torch.bfloat16):
         rates = []
         for n, k, c in ((1024, 1024, 1024), (512, 128, 384)):
-            a, b = torch.randn(n, k, dtype=dtype), torch.randn(k, c, dtype=dtype)
+            a = torch.randn(n, k, dtype=dtype, device=device)
+            b = torch.randn(k, c, dtype=dtype, device=device)
             rates.append(2 * n * k * c / timed(lambda a=a, b=b: a @ b))
         out["matmul_flops"][str(dtype).removeprefix("torch.")] = {"large": rates[0], "small": rates[1]}
-    x, y = torch.randn(2**24), torch.randn(2**24)
+    x, y = torch.randn(2**24, device=device), torch.randn(2**24, device=device)
     out["memory_bandwidth"] = 3 * x.numel() * 4 / timed(lambda: torch.add(x, y))
-    params = [torch.nn.Parameter(torch.randn(2**17)) for _ in range(8)]
+    params = [torch.nn.Parameter(torch.randn(2**17, device=device)) for _ in range(8)]
     for p in params:
         p.grad = torch.randn_like(p)
     adam = torch.optim.Adam(params, lr=1e-3)
@@ -270,35 +277,51 @@ def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
     return out
 
 
+def calibration_device() -> torch.device:
+    """This rank's GPU (NCCL), or the CPU (gloo)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def collective_call(kind: str, n: int, world: int, rank: int):
-    """A function that runs collective ``kind`` on a payload of ``n`` fp32 elements."""
-    import torch
+    """A function that runs collective ``kind`` on a payload of ``n`` fp32 elements (and waits for
+    it: on a GPU, until the device is done)."""
+    from utils import device as dev
+
+    device = calibration_device()
+    x = torch.ones(n, device=device)
+    call = collective_on(kind, x, n, world, rank)
+    return lambda: (call(), dev.synchronize(device))
+
+
+def collective_on(kind: str, x: torch.Tensor, n: int, world: int, rank: int):
+    """The call of collective ``kind`` on ``x`` (``n`` elements) and the buffers it needs."""
     import torch.distributed as dist
 
-    x = torch.ones(n)
     if kind == "all_reduce":
         return lambda: dist.all_reduce(x)
     if kind == "broadcast":  # as ZeRO-1 broadcasts its tensors: all issued at once, then waited for
         parts = list(x.chunk(BROADCAST_BATCH))
         return lambda: [w.wait() for w in [dist.broadcast(t, src=0, async_op=True) for t in parts]]
     if kind == "all_gather":  # payload: the whole output
-        part, parts = torch.ones(n // world), [torch.empty(n // world) for _ in range(world)]
+        part, parts = x[: n // world].clone(), [torch.empty_like(x[: n // world]) for _ in range(world)]
         return lambda: dist.all_gather(parts, part)
     if kind == "reduce_scatter":  # payload: the whole input
-        out = torch.empty(n // world)
+        out = torch.empty_like(x[: n // world])
         return lambda: dist.reduce_scatter_tensor(out, x)
     if kind == "all_to_all":
-        out = torch.empty(n)
+        out = torch.empty_like(x)
         return lambda: dist.all_to_all_single(out, x)
     # send: a pair of ranks exchanging, rank r sends to r + 1 and receives from r - 1
-    buf = torch.empty(n)
+    buf = torch.empty_like(x)
     ops = [dist.P2POp(dist.isend, x, (rank + 1) % world), dist.P2POp(dist.irecv, buf, (rank - 1) % world)]
     return lambda: [w.wait() for w in dist.batch_isend_irecv(ops)]
 
 
 def busy(seconds: float) -> None:
     """Matmuls for about ``seconds`` (the computation between two collectives in a step)."""
-    a = torch.randn(256, 256)
+    a = torch.randn(256, 256, device=calibration_device())
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         a @ a
@@ -312,7 +335,9 @@ def calibration_worker() -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(calibration_device())
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     dist.barrier()
     rates = compute_rates()
@@ -358,10 +383,14 @@ def calibrate(ranks: tuple[int, ...] = (1, 2, 4)) -> dict[str, Any]:
     import torch
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    result: dict[str, Any] = {"name": f"this machine: {platform.processor() or platform.machine()}, "
-                              f"{os.cpu_count()} cores, torch {torch.__version__}, gloo",
-                              "source": "measured by scripts/cost_model.py --calibrate", "overlap": 0.0,
-                              "cores": os.cpu_count(),
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, gloo"
+    where = f"{gpu}, NCCL" if gpu else cpu
+    result: dict[str, Any] = {"name": f"this machine: {where}, torch {torch.__version__}",
+                              "source": "measured by scripts/cost_model.py --calibrate",
+                              # a GPU computes while NCCL's kernels move gradients; gloo's threads share
+                              # the CPU's cores with the computation
+                              "overlap": 1.0 if gpu else 0.0, "cores": None if gpu else os.cpu_count(),
                               "by_ranks": {}}
     for r in ranks:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r}",

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 E = 4  # bytes of an fp32 element: weights, gradients, Adam's moments, activations (no AMP)
 MIB = 2**20
-CONSTANTS_FILE = REPO / "logs" / "cost_model" / "machine.json"
+CONSTANTS_FILE = "machine.json"  # in --out: --calibrate and --check write it, the rest read it
 
 
 # ------------------------------------------------------------------ the model ---
@@ -584,10 +584,12 @@ def published(yaml_config: str) -> list[dict[str, Any]]:
     return rows
 
 
-def load_machine(path: Path | None) -> dict[str, Any] | None:
-    """A constants file (--calibrate writes one), or a known GPU system by name."""
+def load_machine(path: Path | None, out: Path) -> dict[str, Any] | None:
+    """A constants file, a known GPU system by name, or (no path) the one --calibrate wrote in
+    ``out`` if there is one."""
     if path is None:
-        return json.loads(CONSTANTS_FILE.read_text()) if CONSTANTS_FILE.is_file() else None
+        mine = out / CONSTANTS_FILE
+        return json.loads(mine.read_text()) if mine.is_file() else None
     if str(path) in GPU_SYSTEMS:
         return GPU_SYSTEMS[str(path)]
     if not Path(path).is_file():
@@ -604,7 +606,8 @@ def block_layers(m: Model, batch: int = 1) -> list[tuple[str, float, float]]:
 
 def plot_roofline(m: Model, machines: list[tuple[dict[str, Any], str]], path: Path) -> None:
     """Attainable FLOP/s = min(peak, intensity x bandwidth) of each machine, with one block's
-    layers placed at their arithmetic intensity (FLOPs per byte moved)."""
+    layers (16 samples) placed at their arithmetic intensity (FLOPs per byte moved, in the
+    machine's dtype)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -614,13 +617,12 @@ def plot_roofline(m: Model, machines: list[tuple[dict[str, Any], str]], path: Pa
     for ax, (machine, dtype) in zip(axes[0], machines):
         c = machine_for(machine, 1)
         peak, bw = c["matmul_flops"][dtype]["large"], c["memory_bandwidth"]
-        if dtype != "float32":
-            bw *= 2  # half the bytes per element: the same roofline reached at half the intensity
+        per_byte = 2.0 if dtype != "float32" else 1.0  # bf16: half the bytes, twice the intensity
         xs = [2.0**k for k in range(-4, 13)]
         ax.loglog(xs, [min(peak, x * bw) for x in xs], color="0.3")
         ax.axvline(peak / bw, color="0.7", ls=":")
         for name, f, by in block_layers(m, batch=16):
-            x = max(f / by, 2.0**-3)  # the element-wise layers do next to no arithmetic
+            x = max(per_byte * f / by, 2.0**-3)  # the element-wise layers do next to no arithmetic
             ax.scatter(x, min(peak, x * bw), s=20)
             ax.annotate(name, (x, min(peak, x * bw)), fontsize=7, xytext=(3, -9), textcoords="offset points")
         ax.set(xlabel="arithmetic intensity (FLOPs per byte)", ylabel=f"attainable {dtype} FLOP/s",
@@ -713,10 +715,15 @@ def run_check(args: argparse.Namespace, m: Model) -> list[dict[str, Any]]:
 
     from scripts.cost_measure import calibrate, measure_layout
 
-    print("calibrating this machine (matmuls, memory, Adam, collectives on 2 and 4 ranks) ...", flush=True)
-    machine = calibrate()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "machine.json").write_text(json.dumps(machine, indent=1))
+    saved = args.out / CONSTANTS_FILE
+    if saved.is_file() and not args.recalibrate:
+        machine = json.loads(saved.read_text())
+        print(f"this machine's constants from {saved} (--recalibrate measures them again)", flush=True)
+    else:
+        print("calibrating this machine (matmuls, memory, Adam, collectives) ...", flush=True)
+        machine = calibrate(tuple(int(r) for r in args.calibrate_ranks.split(",")))
+        args.out.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(machine, indent=1))
     runs = args.out / "runs"
     shutil.rmtree(runs, ignore_errors=True)  # every check trains from scratch
     rows = []
@@ -724,8 +731,11 @@ def run_check(args: argparse.Namespace, m: Model) -> list[dict[str, Any]]:
         if args.only and lay.name not in args.only.split(","):
             continue
         print(f"  {lay.name} on {lay.ranks} rank(s)", flush=True)
-        records = measure_layout(lay.name, lay.ranks, lay.flags() + [f"--limit_nsamples={lay.batch * 12}"],
-                                 runs, args.config, args.yaml_config, steps=args.steps)
+        flags = lay.flags() + [f"--limit_nsamples={lay.batch * 12}"]
+        if args.data_dir:
+            flags.append(f"--data_dir={args.data_dir}")
+        records = measure_layout(lay.name, lay.ranks, flags, runs, args.config, args.yaml_config,
+                                 steps=args.steps)
         rows.append(check_layout(m, lay, machine, records))
     return rows
 
@@ -811,16 +821,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global_batch_size", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the matmuls' precision for the time (memory is counted in fp32)")
-    p.add_argument("--machine", default=None, help="constants file (default: the last --calibrate's) or "
+    p.add_argument("--machine", default=None, help="constants file (default: OUT/machine.json, which "
+                   "--calibrate and --check write) or "
                    f"a known system: {', '.join(GPU_SYSTEMS)}")
     p.add_argument("--calibrate", action="store_true", help="measure this machine's constants")
-    p.add_argument("--check", action="store_true", help="run the checked layouts, compare")
+    p.add_argument("--check", action="store_true", help="run the checked layouts, compare (with the "
+                   "constants in OUT/machine.json, calibrating first if there are none)")
+    p.add_argument("--recalibrate", action="store_true", help="--check: calibrate even if OUT has constants")
     p.add_argument("--published", action="store_true", help="the original tutorials' results beside "
                    "the model's predictions for an A100 node")
     p.add_argument("--plan", action="store_true", help="the layouts that fit, fastest first")
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--gpu_memory_gb", type=float, default=40.0)
     p.add_argument("--steps", type=int, default=10, help="--check: steps per run (3 untimed)")
+    p.add_argument("--data_dir", default=None, help="--check: the runs' data (default: the config's)")
     p.add_argument("--only", default="", help="--check: these layouts only (names, comma-separated)")
     p.add_argument("--calibrate_ranks", default="1,2,4", help="--calibrate: ranks at once to measure")
     p.add_argument("--roofline", action="store_true", help="plot one block's layers against the "
@@ -838,15 +852,15 @@ def main(argv: list[str] | None = None) -> int:
         from scripts.cost_measure import calibrate
 
         machine = calibrate(tuple(int(r) for r in args.calibrate_ranks.split(",")))
-        CONSTANTS_FILE.parent.mkdir(parents=True, exist_ok=True)
-        CONSTANTS_FILE.write_text(json.dumps(machine, indent=1))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / CONSTANTS_FILE).write_text(json.dumps(machine, indent=1))
         for r, c in machine["by_ranks"].items():
             print(f"{r} rank(s) at once: fp32 matmul {c['matmul_flops']['float32']['large'] / 1e9:.0f} "
                   f"GFLOP/s, bf16 {c['matmul_flops']['bfloat16']['large'] / 1e9:.0f}, memory "
                   f"{c['memory_bandwidth'] / 1e9:.1f} GB/s per rank" + "".join(
                       f"; {k} {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s"
                       for k, (lat, bw) in c.get("collectives", {}).items()))
-        print(f"written to {CONSTANTS_FILE.relative_to(REPO)}")
+        print(f"written to {args.out / CONSTANTS_FILE}")
         return 0
     if args.check:
         rows = run_check(args, m)
@@ -859,12 +873,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step time within 25% for {good} of {len(rows)} layouts; written to {args.out}")
         four = [r for r in rows if r["ranks"] == 4]
         if four:
-            machine = json.loads((args.out / "machine.json").read_text())
+            machine = json.loads((args.out / CONSTANTS_FILE).read_text())
             first = plan(m, 4, cfg.global_batch_size, math.inf, machine)[0]["layout"].name
             fastest = min(four, key=lambda r: r["measured_s"])["layout"]
             print(f"plan's first choice on 4 ranks: {first}; the fastest 4-rank layout measured: {fastest}")
         return 0
-    machine = load_machine(Path(args.machine) if args.machine else None)
+    machine = load_machine(Path(args.machine) if args.machine else None, args.out)
     if args.published:
         print("| published run (samples/s) | at the A100's peaks | share of peak | predicted | published "
               "| error |\n|---|---|---|---|---|---|")
