@@ -327,7 +327,7 @@ def busy(seconds: float) -> None:
         a @ a
 
 
-def calibration_worker() -> int:
+def calibration_worker(calls: int = 30, seconds: float = 0.25) -> int:
     """One rank of the collectives' calibration (torchrun, gloo): each collective and size timed
     over 30 calls; rank 0 prints {kind: [[bytes, seconds], ...]} as JSON, and, started with
     every rank busy at once, this rank's compute rates (as a layout's ranks share the cores)."""
@@ -340,7 +340,7 @@ def calibration_worker() -> int:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     dist.barrier()
-    rates = compute_rates()
+    rates = compute_rates(seconds)
     every = [None] * world
     dist.all_gather_object(every, rates)
     times: dict[str, list[list[float]]] = {}
@@ -349,7 +349,7 @@ def calibration_worker() -> int:
             run = collective_call(kind, size // 4, world, rank)
             run()
             seconds = []
-            for _ in range(30):  # each call timed as training meets it: right after some compute
+            for _ in range(calls):  # each call timed as training meets it: right after some compute
                 # (a rank that has just computed finds the others a little early or late, and gloo's
                 # threads wake on busy cores); the mean of the calls, slow ones included, as a
                 # step's many calls add up to it
@@ -374,7 +374,7 @@ def fit_latency_bandwidth(points: list[list[float]]) -> tuple[float, float]:
     return latency, 1.0 / max(slope, 1e-15)
 
 
-def calibrate(ranks: tuple[int, ...] = (1, 2, 4)) -> dict[str, Any]:
+def calibrate(ranks: tuple[int, ...] = (1, 2, 4), calls: int = 30, seconds: float = 0.25) -> dict[str, Any]:
     """This machine's constants: compute rates with 1, 2 and 4 ranks busy at once, collectives
     over 2 and 4 ranks (gloo)."""
     import platform
@@ -394,7 +394,7 @@ def calibrate(ranks: tuple[int, ...] = (1, 2, 4)) -> dict[str, Any]:
                               "by_ranks": {}}
     for r in ranks:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r}",
-               str(Path(__file__).resolve()), "--calibration-worker"]
+               str(Path(__file__).resolve()), "--calibration-worker", str(calls), str(seconds)]
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"error: the calibration on {r} ranks failed:\n{done.stderr[-2000:]}")
@@ -414,7 +414,7 @@ def calibrate(ranks: tuple[int, ...] = (1, 2, 4)) -> dict[str, Any]:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--calibration-worker"]:
-        sys.exit(calibration_worker())
+        sys.exit(calibration_worker(int(sys.argv[2]), float(sys.argv[3])))
     if sys.argv[1:2] == ["--worker"]:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         sys.exit(worker(sys.argv[2:]))

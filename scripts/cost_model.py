@@ -98,7 +98,7 @@ class Layout:
     """How ``ranks`` ranks split the model and the batch (the flags of train.py/train_mp.py)."""
 
     ranks: int = 1
-    data_parallel: str = "ddp"  # ddp | zero1 | fsdp
+    data_parallel: str = "ddp"  # ddp | zero1 | fsdp | hsdp
     tp: int = 1
     cp: int = 1
     pp: int = 1
@@ -108,10 +108,19 @@ class Layout:
     stages_per_rank: int = 2  # interleaved schedules only
     checkpointing: str = "none"  # none | full | selective
     batch: int = 16  # global batch
+    dp_shard: int = 0  # hsdp: ranks of a sharding group (0: all the data-parallel ranks)
 
     @property
     def dp(self) -> int:
         return self.ranks // (self.tp * self.cp * self.pp)
+
+    @property
+    def sharded(self) -> bool:  # FSDP or HSDP over more than one rank
+        return self.data_parallel in ("fsdp", "hsdp") and self.dp > 1
+
+    @property
+    def shard(self) -> int:  # the ranks that shard each tensor (HSDP: its group; FSDP: all dp ranks)
+        return (self.dp_shard or self.dp) if self.data_parallel == "hsdp" else self.dp
 
     @property
     def local_batch(self) -> int:
@@ -123,8 +132,9 @@ class Layout:
 
     @property
     def name(self) -> str:
-        parts = [f"dp{self.dp}" + (f"_{self.data_parallel}" if self.data_parallel != "ddp" else "")
-                 if self.dp > 1 else ""]
+        mode = f"_{self.data_parallel}" if self.data_parallel != "ddp" else ""
+        mode += f"{self.shard}" if self.data_parallel == "hsdp" else ""
+        parts = [f"dp{self.dp}{mode}" if self.dp > 1 else ""]
         parts += [f"{k}{v}" for k, v in (("tp", self.tp), ("cp", self.cp), ("ep", self.ep)) if v > 1]
         if self.pp > 1:
             parts.append(f"pp{self.pp}_{self.schedule}_m{self.microbatches}")
@@ -136,7 +146,8 @@ class Layout:
         """The layout as train_mp.py's flags."""
         f = [f"--global_batch_size={self.batch}", f"--data_parallel={self.data_parallel}",
              f"--tensor_parallel={self.tp}", f"--context_parallel={self.cp}",
-             f"--expert_parallel={self.ep}", f"--activation_checkpointing={self.checkpointing}"]
+             f"--expert_parallel={self.ep}", f"--activation_checkpointing={self.checkpointing}",
+             f"--dp_shard={self.dp_shard}"]
         if self.pp > 1:
             f += [f"--pipeline_parallel={self.pp}", f"--pipeline_schedule={self.schedule}",
                   f"--num_microbatches={self.microbatches}", f"--stages_per_rank={self.stages_per_rank}"]
@@ -300,13 +311,13 @@ def activation_bytes(m: Model, lay: Layout, pp_rank: int = 0) -> dict[str, int]:
 def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0) -> dict[str, int]:
     """Bytes this rank holds, by kind. Adam keeps two moments per element and a 4-byte step count
     per tensor. ddp: everything; zero1: the moments of the tensors it owns; fsdp: its dim-0 shard
-    of everything. Also: the recomputed block of activation checkpointing (one block's
-    activations while its backward runs) and FSDP's communication buffers (one block's
-    gathered weights and gradients, the next block's prefetched weights); not checked:
-    neither is in the tensors a run can count on a CPU."""
+    of everything (hsdp: its shard within its group). Also: the recomputed block of activation
+    checkpointing (one block's activations while its backward runs) and FSDP's communication
+    buffers (one block's gathered weights and gradients, the next block's prefetched weights);
+    not checked: neither is in the tensors a run can count on a CPU."""
     shapes = rank_parameters(m, lay, pp_rank)
-    if lay.data_parallel == "fsdp" and lay.dp > 1:
-        local = {n: fsdp_rows(s[0], lay.dp, dp_rank) * math.prod(s[1:]) for n, s in shapes}
+    if lay.sharded:  # HSDP's groups are rows of dp_shard consecutive data-parallel ranks
+        local = {n: fsdp_rows(s[0], lay.shard, dp_rank % lay.shard) * math.prod(s[1:]) for n, s in shapes}
         owned = set(local)
     else:
         local = {n: math.prod(s) for n, s in shapes}
@@ -321,7 +332,7 @@ def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0) -> dict[st
         blocks = stage_blocks(m, lay, pp_rank)[0]
         full = activation_bytes(m, replace(lay, checkpointing="none", pp=1, ranks=lay.ranks // lay.pp))
         extra["recompute (one block)"] = (full["blocks"] // max(1, m.depth)) if blocks else 0
-    if lay.data_parallel == "fsdp" and lay.dp > 1:
+    if lay.sharded:
         block = sum(math.prod(s) for n, s in shapes if n.startswith("blocks.0."))
         extra["fsdp buffers"] = E * 3 * block  # gathered weights (this and the next block), gradients
     out["total"] = sum(out.values())
@@ -347,9 +358,10 @@ def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = 
     L = len(blocks)
     R = sum(recomputed(lay, i) for i in blocks)  # recomputing a block runs its forward's collectives
     # again, up to fc2 (where torch's checkpoint stops, see flops())
+    mbs = lay.microbatches if lay.pp > 1 else 1  # a pipeline runs each micro-batch's collectives
     if tp > 1:  # Megatron: forward sums proj's and fc2's partial outputs, backward the input
         # gradients of qkv and fc1 (each (b, n, D))
-        parts.append(("all_reduce", tp, (4 * L + R) * E * b * (N // lay.cp) * D, 4 * L + R, "tp"))
+        parts.append(("all_reduce", tp, (4 * L + R) * E * b * (N // lay.cp) * D, (4 * L + R) * mbs, "tp"))
     if lay.cp > 1:  # keys and values gathered in forward; in backward their gradients summed
         # (reduce-scatter done as all-reduce + slice on gloo); the head's output gathered
         parts.append(("all_gather", lay.cp, 2 * (L + R) * E * b * N * D // tp, 2 * (L + R), "cp"))
@@ -357,7 +369,7 @@ def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = 
         if last:
             parts.append(("all_gather", lay.cp, E * b * N * m.c_out * m.patch**2, 1, "cp"))
         # every gradient summed over cp: by each parameter's hook, or per DDP bucket when DDP runs
-        ddp = lay.dp > 1 and lay.pp == 1 and lay.data_parallel != "fsdp"
+        ddp = lay.dp > 1 and lay.pp == 1 and not lay.sharded
         calls = ddp_buckets(grad_bytes) if ddp else len(shapes)
         parts.append(("all_reduce", lay.cp, grad_bytes, calls, "cp"))
     if lay.pp > 1:
@@ -368,13 +380,17 @@ def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = 
         parts += [("send", 2, sends * mb, sends, "pp"), ("recv", 2, sends * mb, sends, "pp")]
         parts.append(("all_reduce", lay.pp, 4, 1, "pp"))  # the batch's loss, shared by the stages
     if lay.dp > 1:
-        if lay.data_parallel == "fsdp":  # blocks gathered in forward and again in backward; the
-            # root (embedding, norm, head) once: it is not resharded after forward
-            block_elems = [padded([s for s in shapes if s[0].startswith(f"blocks.{i}.")], lay.dp)
-                           for i in blocks]
-            root = padded([s for s in shapes if not s[0].startswith("blocks.")], lay.dp)
-            parts.append(("all_gather", lay.dp, E * (2 * sum(block_elems) + root), 2 * L + 1, "dp"))
-            parts.append(("reduce_scatter", lay.dp, E * (sum(block_elems) + root), L + 1, "dp"))
+        if lay.sharded:  # blocks gathered in forward and again in backward; the root (embedding,
+            # norm, head) once: it is not resharded after forward. HSDP gathers within its group,
+            # then all-reduces its gradient shard with the other groups
+            g = lay.shard
+            block_elems = [padded([s for s in shapes if s[0].startswith(f"blocks.{i}.")], g) for i in blocks]
+            root = padded([s for s in shapes if not s[0].startswith("blocks.")], g)
+            parts.append(("all_gather", g, E * (2 * sum(block_elems) + root), 2 * L + 1, "dp_shard"))
+            parts.append(("reduce_scatter", g, E * (sum(block_elems) + root), L + 1, "dp_shard"))
+            if lay.dp > g:
+                shard_bytes = E * (sum(block_elems) + root) // g
+                parts.append(("all_reduce", lay.dp // g, shard_bytes, L + 1, "dp"))
         else:  # DDP's bucketed all-reduce (one flat all-reduce after a pipeline's flush)
             calls = ddp_buckets(grad_bytes) if lay.pp == 1 else 1
             parts.append(("all_reduce", lay.dp, grad_bytes, calls, "dp"))
@@ -475,7 +491,7 @@ def step_time(m: Model, lay: Layout, machine: dict[str, Any], dtype: str = "floa
     # the ranks of a tp, cp or pp group are neighbours (parallel_order tp-cp-dp, pp slowest):
     # a group leaves the node when it is larger than the node, dp when the model group times dp is
     spans = {"tp": lay.tp > per_node, "cp": lay.tp * lay.cp > per_node, "dp": lay.ranks > per_node,
-             "pp": lay.ranks > per_node}
+             "dp_shard": lay.tp * lay.cp * lay.shard > per_node, "pp": lay.ranks > per_node}
     per_rank = []
     for pp_rank in range(lay.pp):
         compute = 0.0
@@ -486,10 +502,10 @@ def step_time(m: Model, lay: Layout, machine: dict[str, Any], dtype: str = "floa
         optimizer = mem["optimizer_state"] / (2 * E) * c["adam_seconds_per_parameter"]
         comm = {"gradients": 0.0, "activations": 0.0}
         for kind, group, nbytes, calls, dim in collective_parts(m, lay, pp_rank, with_dims=True):
-            if dim != "dp":  # activations travel in the compute dtype (gradients stay fp32)
+            if not dim.startswith("dp"):  # activations travel in the compute dtype (gradients: fp32)
                 nbytes *= moved
             seconds = collective_seconds(machine, kind, group, nbytes, calls, spans[dim])
-            comm["gradients" if dim == "dp" else "activations"] += seconds
+            comm["gradients" if dim.startswith("dp") else "activations"] += seconds
         hidden = min(comm["gradients"], machine.get("overlap", 0.0) * compute * 2 / 3)
         per_rank.append({"compute": compute, "optimizer": optimizer, "communication":
                          comm["gradients"] - hidden + comm["activations"]})
@@ -506,13 +522,6 @@ def step_time(m: Model, lay: Layout, machine: dict[str, Any], dtype: str = "floa
         out["pipeline bubble"] = bubble / 3 if lay.schedule == "zero_bubble" else bubble
     out["total"] = sum(out.values())
     return out
-
-
-def predict(m: Model, lay: Layout, machine: dict[str, Any] | None) -> dict[str, Any]:
-    """Everything the model says of one layout, for rank 0 (pipeline: every stage's rank)."""
-    return {"layout": lay.name, "flops": flops(m, lay), "memory": memory(m, lay),
-            "collectives": collectives(m, lay),
-            "time": step_time(m, lay, machine) if machine else None}
 
 
 # ------------------------------------------------------------------ known GPU systems ---
@@ -634,8 +643,13 @@ def plot_roofline(m: Model, machines: list[tuple[dict[str, Any], str]], path: Pa
 
 
 # ------------------------------------------------------------------ plan ---
-def candidate_layouts(m: Model, ranks: int, batch: int, microbatches: int = 4) -> list[Layout]:
-    """Every layout of ``ranks`` ranks this code can run for this model and batch."""
+def candidate_layouts(m: Model, ranks: int, batch: int, cfg: Any = None, per_node: int = 0,
+                      microbatches: int = 4) -> list[Layout]:
+    """Every layout of ``ranks`` ranks that divides this model and batch (and, given the run's
+    ``cfg``, that the project's configuration checks accept: some dimensions do not combine).
+    HSDP appears where the data-parallel ranks span more than one node of ``per_node`` ranks."""
+    from utils.config import with_overrides
+
     out = []
     divisors = [d for d in range(1, ranks + 1) if ranks % d == 0]
     for tp in divisors:
@@ -647,20 +661,33 @@ def candidate_layouts(m: Model, ranks: int, batch: int, microbatches: int = 4) -
                 if (m.heads % tp or m.hidden % tp or m.tokens % cp or m.depth < pp or batch % dp
                         or pp > 1 and (batch // dp) % microbatches):
                     continue
-                for mode in (("ddp", "zero1", "fsdp") if dp > 1 else ("ddp",)):
+                modes = [("ddp", 0), ("zero1", 0), ("fsdp", 0)] if dp > 1 else [("ddp", 0)]
+                if per_node and dp > per_node and dp % per_node == 0:
+                    modes.append(("hsdp", per_node))
+                for mode, shard in modes:
                     for schedule in (("1f1b", "gpipe") if pp > 1 else ("1f1b",)):
                         for ckpt in ("none", "full"):
                             out.append(Layout(ranks, mode, tp, cp, pp, schedule=schedule, batch=batch,
-                                              microbatches=microbatches, checkpointing=ckpt))
-    return out
+                                              microbatches=microbatches, checkpointing=ckpt, dp_shard=shard))
+    if cfg is None:
+        return out
+    runnable = []
+    for lay in out:
+        keys = {f[2:].split("=")[0]: f.split("=")[1] for f in lay.flags()}
+        try:
+            with_overrides(cfg, **{k: int(v) if v.isdigit() else v for k, v in keys.items()})
+        except ValueError:  # a combination the code refuses (its one-line error says why)
+            continue
+        runnable.append(lay)
+    return runnable
 
 
 def plan(m: Model, ranks: int, batch: int, gpu_memory: float, machine: dict[str, Any],
-         dtype: str = "float32") -> list[dict[str, Any]]:
+         dtype: str = "float32", cfg: Any = None) -> list[dict[str, Any]]:
     """The layouts whose largest rank fits in ``gpu_memory`` bytes, fastest first, with the
     term that dominates each one's step."""
     rows = []
-    for lay in candidate_layouts(m, ranks, batch):
+    for lay in candidate_layouts(m, ranks, batch, cfg, machine.get("gpus_per_node") or 0):
         need = max(memory(m, lay, r)["total"] for r in range(lay.pp))  # the fullest pipeline stage
         if need > gpu_memory:
             continue
@@ -721,7 +748,8 @@ def run_check(args: argparse.Namespace, m: Model) -> list[dict[str, Any]]:
         print(f"this machine's constants from {saved} (--recalibrate measures them again)", flush=True)
     else:
         print("calibrating this machine (matmuls, memory, Adam, collectives) ...", flush=True)
-        machine = calibrate(tuple(int(r) for r in args.calibrate_ranks.split(",")))
+        machine = calibrate(tuple(int(r) for r in args.calibrate_ranks.split(",")), args.calibrate_calls,
+                            args.calibrate_seconds)
         args.out.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(machine, indent=1))
     runs = args.out / "runs"
@@ -778,7 +806,7 @@ def plot_check(rows: list[dict[str, Any]], path: Path) -> None:
 def layout_from(args: argparse.Namespace) -> Layout:
     return Layout(args.ranks, args.data_parallel, args.tensor_parallel, args.context_parallel,
                   args.pipeline_parallel, args.expert_parallel, args.pipeline_schedule, args.num_microbatches,
-                  args.stages_per_rank, args.activation_checkpointing, args.global_batch_size)
+                  args.stages_per_rank, args.activation_checkpointing, args.global_batch_size, args.dp_shard)
 
 
 def show(m: Model, lay: Layout, machine: dict[str, Any] | None, dtype: str) -> str:
@@ -808,7 +836,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
     p.add_argument("--config", default="tiny")
     p.add_argument("--ranks", type=int, default=1)
-    p.add_argument("--data_parallel", default="ddp", choices=("ddp", "zero1", "fsdp"))
+    p.add_argument("--data_parallel", default="ddp", choices=("ddp", "zero1", "fsdp", "hsdp"))
+    p.add_argument("--dp_shard", type=int, default=0)
     p.add_argument("--tensor_parallel", type=int, default=1)
     p.add_argument("--context_parallel", type=int, default=1)
     p.add_argument("--pipeline_parallel", type=int, default=1)
@@ -837,6 +866,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data_dir", default=None, help="--check: the runs' data (default: the config's)")
     p.add_argument("--only", default="", help="--check: these layouts only (names, comma-separated)")
     p.add_argument("--calibrate_ranks", default="1,2,4", help="--calibrate: ranks at once to measure")
+    p.add_argument("--calibrate_calls", type=int, default=30, help="--calibrate: calls timed per collective "
+                   "and size (their mean is used)")
+    p.add_argument("--calibrate_seconds", type=float, default=0.25, help="--calibrate: seconds per compute "
+                   "measurement")
     p.add_argument("--roofline", action="store_true", help="plot one block's layers against the "
                    "machine's roofline (OUT/roofline.png)")
     p.add_argument("--out", type=Path, default=REPO / "logs" / "cost_model")
@@ -851,7 +884,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate:
         from scripts.cost_measure import calibrate
 
-        machine = calibrate(tuple(int(r) for r in args.calibrate_ranks.split(",")))
+        machine = calibrate(tuple(int(r) for r in args.calibrate_ranks.split(",")), args.calibrate_calls,
+                            args.calibrate_seconds)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / CONSTANTS_FILE).write_text(json.dumps(machine, indent=1))
         for r, c in machine["by_ranks"].items():
@@ -874,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:
         four = [r for r in rows if r["ranks"] == 4]
         if four:
             machine = json.loads((args.out / CONSTANTS_FILE).read_text())
-            first = plan(m, 4, cfg.global_batch_size, math.inf, machine)[0]["layout"].name
+            first = plan(m, 4, cfg.global_batch_size, math.inf, machine, cfg=cfg)[0]["layout"].name
             fastest = min(four, key=lambda r: r["measured_s"])["layout"]
             print(f"plan's first choice on 4 ranks: {first}; the fastest 4-rank layout measured: {fastest}")
         return 0
@@ -899,7 +933,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         if machine is None:
             raise SystemExit("error: plan needs machine constants: run --calibrate first or give --machine")
-        rows = plan(m, args.gpus, args.global_batch_size, args.gpu_memory_gb * 1e9, machine, args.dtype)
+        rows = plan(m, args.gpus, args.global_batch_size, args.gpu_memory_gb * 1e9, machine, args.dtype, cfg)
         if not rows:
             print(f"no layout of {args.gpus} ranks fits {args.gpu_memory_gb} GB per rank")
             return 1

@@ -63,20 +63,20 @@ def test_flops_and_activations_of_the_serial_model(checkpointing):
 
 
 def test_layouts_measured_in_real_runs(data_dir, tmp_path):
-    """Four 2-rank training runs (train_mp.py's loop): every rank's FLOPs, bytes of each
-    collective, parameters, gradients, optimizer state and saved activations exactly as predicted
-    (FSDP's padding; context parallel's gathers and per-parameter gradient sums, every other block
-    recomputed; tensor parallel with every block recomputed; a pipeline's transfers and
-    micro-batches in flight)."""
+    """Three training runs (train_mp.py's loop): every rank's FLOPs, bytes and calls of each
+    collective, parameters, gradients, optimizer state and saved activations exactly as predicted:
+    a GPipe pipeline of 2 stages of tensor parallel 2 (transfers, micro-batches in flight), every
+    block recomputed; context parallel's gathers and per-parameter gradient sums, every other
+    block recomputed; HSDP (FSDP's padding), 2 groups of 2 ranks."""
     yaml = write_test_yaml(tmp_path / "ViT.yaml")
     m = cm.Model.from_config(load_config(yaml, "tiny"))
-    layouts = [cm.Layout(2, "fsdp", batch=8), cm.Layout(2, cp=2, checkpointing="selective", batch=8),
-               cm.Layout(2, tp=2, checkpointing="full", batch=8),
-               cm.Layout(2, pp=2, schedule="gpipe", batch=8)]
+    layouts = [cm.Layout(4, tp=2, pp=2, schedule="gpipe", checkpointing="full", batch=8),
+               cm.Layout(2, cp=2, checkpointing="selective", batch=8),
+               cm.Layout(4, "hsdp", dp_shard=2, batch=8)]
     for lay in layouts:
         flags = lay.flags() + [f"--data_dir={data_dir}", "--limit_nsamples=40"]
-        records = measure_layout(lay.name, 2, flags, tmp_path / "runs", "tiny", str(yaml), steps=4)
-        assert len(records) == 2
+        records = measure_layout(lay.name, lay.ranks, flags, tmp_path / "runs", "tiny", str(yaml), steps=4)
+        assert len(records) == lay.ranks
         row = cm.check_layout(m, lay, MACHINE, records)
         assert row["flops_error"] == row["bytes_error"] == row["memory_error"] == 0, (lay.name, records)
         for r in records:
@@ -85,15 +85,22 @@ def test_layouts_measured_in_real_runs(data_dir, tmp_path):
 
 
 def test_the_plan_ranks_what_fits():
-    m = cm.Model.from_config(tiny())
-    rows = cm.plan(m, 4, 16, 2**30, MACHINE)
+    cfg = tiny()
+    m = cm.Model.from_config(cfg)
+    rows = cm.plan(m, 4, 16, 2**30, MACHINE, cfg=cfg)
     seconds = [r["seconds"] for r in rows]
     assert seconds == sorted(seconds) and len(rows) > 10
     assert {r["layout"].ranks for r in rows} == {4}
+    # only layouts the code runs: pipelines do not combine with context parallelism here
+    everything = cm.candidate_layouts(m, 4, 16)
+    assert any(lay.pp > 1 and lay.cp > 1 for lay in everything)
+    assert not any(r["layout"].pp > 1 and r["layout"].cp > 1 for r in rows)
+    # HSDP where the data-parallel ranks span nodes
+    assert any(lay.data_parallel == "hsdp" for lay in cm.candidate_layouts(m, 4, 16, cfg, per_node=2))
     # a memory limit between the layouts' needs keeps only those under it
     needs = sorted({r["memory"] for r in rows})
     limit = needs[len(needs) // 2]
-    kept = cm.plan(m, 4, 16, limit, MACHINE)
+    kept = cm.plan(m, 4, 16, limit, MACHINE, cfg=cfg)
     assert kept and all(r["memory"] <= limit for r in kept) and len(kept) < len(rows)
 
 

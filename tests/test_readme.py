@@ -267,9 +267,10 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
     "deepspeed_compare.py": lambda runner: [  # one row, one step (the other rows are the same code
         "--layouts", "deepspeed 2", "--steps", "1", "--batch", "4",  # with other flags)
         "--", "--data_dir", str(runner.data_for("tiny"))],
-    "cost_model.py": lambda runner: [  # calibrated on 2 ranks, the check of dp2 alone (4 steps);
-        # flags a command's mode does not use are ignored (test_cost_model.py checks four layouts)
-        "--calibrate_ranks", "2", "--only", "dp2", "--steps", "4",
+    "cost_model.py": lambda runner: [  # calibrated on 2 ranks, briefly; the check of dp2 alone (4
+        # steps); flags a command's mode does not use are ignored (test_cost_model.py checks layouts)
+        "--calibrate_ranks", "2", "--calibrate_calls", "4", "--calibrate_seconds", "0.05",
+        "--only", "dp2", "--steps", "4",
         "--data_dir", str(runner.data_for("tiny"))],
     "hang_demo.py": lambda runner: ["--timeout", "1"],  # both cases; it fails if no rank is named
     "benchmark.py": lambda runner: [  # one rung, one step of batch 2 (the full ladder: test_ladder.py)
