@@ -630,10 +630,14 @@ def plot_roofline(m: Model, machines: list[tuple[dict[str, Any], str]], path: Pa
         xs = [2.0**k for k in range(-4, 13)]
         ax.loglog(xs, [min(peak, x * bw) for x in xs], color="0.3")
         ax.axvline(peak / bw, color="0.7", ls=":")
+        points: dict[float, list[str]] = {}  # layers of the same intensity share one label
         for name, f, by in block_layers(m, batch=16):
             x = max(per_byte * f / by, 2.0**-3)  # the element-wise layers do next to no arithmetic
+            points.setdefault(round(x, 1), []).append(name)
+        for k, (x, names) in enumerate(sorted(points.items())):
             ax.scatter(x, min(peak, x * bw), s=20)
-            ax.annotate(name, (x, min(peak, x * bw)), fontsize=7, xytext=(3, -9), textcoords="offset points")
+            ax.annotate(", ".join(names), (x, min(peak, x * bw)), fontsize=7, textcoords="offset points",
+                        xytext=(4, -10 - 9 * (k % 3)))
         ax.set(xlabel="arithmetic intensity (FLOPs per byte)", ylabel=f"attainable {dtype} FLOP/s",
                title=f"{machine['name'][:48]}\nridge at {peak / bw:.0f} FLOP/byte")
         ax.title.set_fontsize(8)
