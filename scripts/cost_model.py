@@ -181,7 +181,9 @@ def block_matmuls(m: Model, lay: Layout, block: int) -> dict[str, tuple[int, int
           "proj": (n, D // tp, D)}
     if m.moe(block):
         mm["router"] = (n, D, m.num_experts)
-        routed = n * m.top_k // lay.ep  # tokens this rank's experts process (balanced)
+        # the ep ranks' b n k assignments each, spread over the ep ranks' experts: b n k per rank
+        # when the routing is balanced (a rank's count depends on the data, the group's does not)
+        routed = n * m.top_k
         mm["fc1"], mm["fc2"] = (routed, D, F), (routed, F, D)
     else:
         mm["fc1"], mm["fc2"] = (n, D, F // tp), (n, F // tp, D)
@@ -240,8 +242,9 @@ def rank_parameters(m: Model, lay: Layout, pp_rank: int = 0) -> list[tuple[str, 
             i = int(name.split(".")[1])
             if i not in blocks:
                 continue
-            if ".experts." in name and int(name.split(".")[4]) % lay.ep != 0:
-                continue  # expert parallel: rank 0 of the ep group keeps experts 0, ep, 2 ep, ...
+            if ".experts." in name and int(name.split(".")[4]) // (m.num_experts // lay.ep) != 0:
+                continue  # expert parallel: rank i of an ep block holds experts i E/ep ... (i+1) E/ep - 1
+                # (rank 0 here; every rank holds as many)
         elif part in ("patch_embed", "pos_embed") and not first or part in ("norm", "head") and not last:
             continue
         keep.append((name, tp_shape(name, shape, lay.tp)))
@@ -273,7 +276,9 @@ def activation_bytes(m: Model, lay: Layout, pp_rank: int = 0) -> dict[str, int]:
     after attention, its normalisation, fc1's output and GELU's (F / tp each), and two floats of
     mean and 1/std per layer norm: 4 D + 4 + (4 D + h + 2 F) / tp. Context parallelism adds the
     gathered keys and values (2 N D / tp per sample); a checkpointed block keeps its input only.
-    A pipeline stage holds the micro-batches in flight: all m (GPipe), pp - rank (1F1B)."""
+    A pipeline stage holds the micro-batches in flight: all m (GPipe), pp - rank (1F1B). A mixture
+    of experts' block is an estimate (balanced routing; the indices it keeps are left out): not
+    checked."""
     D, F, h, N, tp = m.dim, m.hidden, m.heads, m.tokens, lay.tp
     n = N // lay.cp
     blocks, first, last = stage_blocks(m, lay, pp_rank)
@@ -282,7 +287,7 @@ def activation_bytes(m: Model, lay: Layout, pp_rank: int = 0) -> dict[str, int]:
         if not kept:  # checkpointed: the input only
             return n * D
         if m.moe(i):  # router logits and probabilities, then each routed token's MLP (balanced)
-            mlp = n * 2 * m.num_experts + n * m.top_k // lay.ep * (D + 2 * F)
+            mlp = n * 2 * m.num_experts + n * m.top_k * (D + 2 * F)  # balanced: see block_matmuls
             return n * (4 * D + 4) + n * (4 * D + h) // tp + mlp
         full = n * (4 * D + 4) + n * (4 * D + h + 2 * F) // tp
         return full + (2 * N * D // tp if lay.cp > 1 else 0)
@@ -379,6 +384,13 @@ def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = 
         sends = lay.microbatches * (2 * lay.chunks - (pp_rank == lay.pp - 1) - (pp_rank == 0))
         parts += [("send", 2, sends * mb, sends, "pp"), ("recv", 2, sends * mb, sends, "pp")]
         parts.append(("all_reduce", lay.pp, 4, 1, "pp"))  # the batch's loss, shared by the stages
+    moe = [i for i in blocks if m.moe(i)]
+    if lay.ep > 1 and moe:  # per mixture of experts: the counts per expert (int64), the tokens to
+        # their experts' ranks and the outputs back; backward sends each gradient the reverse way.
+        # A rank sends its own b n k assignments (dropless routing); what it receives depends on
+        # the routing: balanced here, so the ep group's total is exact, a rank's only on average
+        a = E * b * (N // lay.cp) * m.top_k * D
+        parts.append(("all_to_all", lay.ep, len(moe) * (8 * m.num_experts + 4 * a), 5 * len(moe), "ep"))
     if lay.dp > 1:
         if lay.sharded:  # blocks gathered in forward and again in backward; the root (embedding,
             # norm, head) once: it is not resharded after forward. HSDP gathers within its group,
@@ -391,6 +403,13 @@ def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = 
             if lay.dp > g:
                 shard_bytes = E * (sum(block_elems) + root) // g
                 parts.append(("all_reduce", lay.dp // g, shard_bytes, L + 1, "dp"))
+        elif lay.ep > 1 and moe:  # DDP's hook: the experts' gradients over the ranks that hold the
+            # same experts (none when ep = dp), the others over dp, one call each per bucket
+            experts = E * sum(math.prod(s) for n, s in shapes if ".experts." in n)
+            calls = ddp_buckets(grad_bytes)
+            parts.append(("all_reduce", lay.dp, grad_bytes - experts, calls, "dp"))
+            if lay.dp > lay.ep:
+                parts.append(("all_reduce", lay.dp // lay.ep, experts, calls, "dp"))
         else:  # DDP's bucketed all-reduce (one flat all-reduce after a pipeline's flush)
             calls = ddp_buckets(grad_bytes) if lay.pp == 1 else 1
             parts.append(("all_reduce", lay.dp, grad_bytes, calls, "dp"))
@@ -491,6 +510,7 @@ def step_time(m: Model, lay: Layout, machine: dict[str, Any], dtype: str = "floa
     # the ranks of a tp, cp or pp group are neighbours (parallel_order tp-cp-dp, pp slowest):
     # a group leaves the node when it is larger than the node, dp when the model group times dp is
     spans = {"tp": lay.tp > per_node, "cp": lay.tp * lay.cp > per_node, "dp": lay.ranks > per_node,
+             "ep": lay.tp * lay.cp * lay.ep > per_node,
              "dp_shard": lay.tp * lay.cp * lay.shard > per_node, "pp": lay.ranks > per_node}
     per_rank = []
     for pp_rank in range(lay.pp):
@@ -668,10 +688,12 @@ def candidate_layouts(m: Model, ranks: int, batch: int, cfg: Any = None, per_nod
                 modes = [("ddp", 0), ("zero1", 0), ("fsdp", 0)] if dp > 1 else [("ddp", 0)]
                 if per_node and dp > per_node and dp % per_node == 0:
                     modes.append(("hsdp", per_node))
-                for mode, shard in modes:
+                eps = [e for e in range(1, dp + 1) if dp % e == 0 and m.num_experts % e == 0] \
+                    if m.num_experts else [1]  # expert parallelism splits data-parallel ranks
+                for (mode, shard), ep in ((x, e) for x in modes for e in eps):
                     for schedule in (("1f1b", "gpipe") if pp > 1 else ("1f1b",)):
                         for ckpt in ("none", "full"):
-                            out.append(Layout(ranks, mode, tp, cp, pp, schedule=schedule, batch=batch,
+                            out.append(Layout(ranks, mode, tp, cp, pp, ep, schedule=schedule, batch=batch,
                                               microbatches=microbatches, checkpointing=ckpt, dp_shard=shard))
     if cfg is None:
         return out

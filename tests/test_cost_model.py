@@ -84,6 +84,34 @@ def test_layouts_measured_in_real_runs(data_dir, tmp_path):
             assert r["comm_calls"] == want, lay.name
 
 
+def test_a_mixture_of_experts(data_dir, tmp_path):
+    """FLOPs of the serial model with experts (top-2, dropless) as FlopCounterMode counts them; and
+    expert parallelism on 2 ranks in a real run: each rank's parameters, gradients, optimizer
+    state, gradient all-reduce and calls exactly as predicted, and, as what a rank computes and
+    receives depends on the routing, the FLOPs and all-to-all bytes of the two ranks together."""
+    cfg = tiny(num_experts=4, moe_top_k=2)
+    x, y = torch.randn(2, 20, 32, 64), torch.randn(2, 20, 32, 64)
+    with FlopCounterMode(display=False) as counter, attention.kernel("math"):
+        relative_l2_loss(build_vit(cfg)(x), y).backward()
+    assert cm.flops(cm.Model.from_config(cfg), cm.Layout(1, batch=2))["total"] == counter.get_total_flops()
+
+    yaml = write_test_yaml(tmp_path / "ViT.yaml")
+    m = cm.Model.from_config(with_overrides(load_config(yaml, "tiny"), num_experts=4, moe_top_k=2))
+    lay = cm.Layout(2, ep=2, batch=8)
+    flags = lay.flags() + [f"--data_dir={data_dir}", "--limit_nsamples=40", "--num_experts=4",
+                           "--moe_top_k=2"]
+    records = measure_layout(lay.name, 2, flags, tmp_path / "runs", "tiny", str(yaml), steps=4)
+    predicted = cm.collectives(m, lay)
+    for r in records:
+        mem = cm.memory(m, lay, 0, r["dp_rank"])
+        assert (mem["parameters"], mem["gradients"], mem["optimizer_state"]) == (
+            r["held"]["parameters"], r["held"]["step_gradients"], r["held"]["optimizer_state"])
+        assert r["comm_bytes"]["all_reduce"] == predicted["all_reduce"][0]
+        assert r["comm_calls"] == {k: v[1] for k, v in predicted.items()}
+    assert sum(r["comm_bytes"]["all_to_all"] for r in records) == 2 * predicted["all_to_all"][0]
+    assert sum(r["flops"] for r in records) == 2 * cm.flops(m, lay)["total"]
+
+
 def test_the_plan_ranks_what_fits():
     cfg = tiny()
     m = cm.Model.from_config(cfg)
