@@ -157,3 +157,21 @@ def test_command_line(tmp_path):
     for bad, says in ((["--config", "nope"], "error:"), (missing, "--calibrate")):
         done = run_cli(*bad)
         assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr
+
+
+def test_gpu_systems_time_collectives_by_ring_and_link():
+    """On a GPU node an all-reduce moves 2 (g - 1) / g of its payload per rank, an all-gather
+    (g - 1) / g, over NVLink inside a node and the network across; the published comparison
+    calibrates each tutorial on its own single-GPU run."""
+    a100 = cm.GPU_SYSTEMS["a100-perlmutter"]
+    (lat, nvlink), (net_lat, net) = a100["links"]["node"], a100["links"]["network"]
+    assert cm.collective_seconds(a100, "all_reduce", 4, 1e9, 2) == pytest.approx(2 * lat + 1.5e9 / nvlink)
+    assert cm.collective_seconds(a100, "all_gather", 4, 1e9, 1) == pytest.approx(lat + 0.75e9 / nvlink)
+    assert cm.collective_seconds(a100, "all_reduce", 8, 1e9, 1, spans_nodes=True) == pytest.approx(
+        net_lat + 1.75e9 / net)
+    rows = cm.published(str(DEFAULT_YAML))
+    for row in rows:
+        assert 0 < row["share"] < 1
+        if row["run"].split()[1] == "single":  # the calibrating row is met exactly
+            assert row["predicted"] == pytest.approx(row["published"])
+    assert {r["run"].split()[0] for r in rows} == {"SC23", "SC25"}
