@@ -65,9 +65,17 @@ def load_full_state(model: nn.Module, state: dict[str, torch.Tensor], mesh: Para
         p.copy_(like(shard, p))
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A gathered whole tensor in host memory. Each one goes there as soon as it is gathered: on
+    a GPU, keeping them all until the checkpoint is written would need a second copy of the
+    whole model (and two of Adam's state) in device memory, about 14 GB extra for `xl`."""
+    return t.to("cpu")
+
+
 def full_state(model: nn.Module, mesh: ParallelMesh, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Consolidated parameters (or their gradients) keyed like the serial model (collective over tp)."""
-    return {name: gather_full(p.grad if grads else p, spec(p), mesh)
+    """Consolidated parameters (or their gradients) keyed like the serial model, in host memory
+    (collective over tp, and over dp for FSDP's shards)."""
+    return {name: to_host(gather_full(p.grad if grads else p, spec(p), mesh))
             for name, p in model.named_parameters()}
 
 
@@ -81,16 +89,16 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer, mesh: ParallelMesh) -> dict[str, Any]:
-    """The optimizer's state dict with every per-element tensor consolidated (collective over tp
-    and, under FSDP, dp). Under ZeRO-1 dp rank 0 first collects every rank's share; the other
-    dp ranks get an empty dict (only rank 0 writes checkpoints)."""
+    """The optimizer's state dict with every per-element tensor consolidated in host memory
+    (collective over tp and, under FSDP, dp). Under ZeRO-1 dp rank 0 first collects every
+    rank's share; the other dp ranks get an empty dict (only rank 0 writes checkpoints)."""
     if local_optimizer(optimizer) is not optimizer:  # ZeroRedundancyOptimizer
         optimizer.consolidate_state_dict(to=0)  # collective over dp; to: rank in the dp group
         if mesh.dp_rank != 0:
             return {}
     state = optimizer.state_dict()
     params = _optimizer_params(optimizer)
-    state["state"] = {i: {k: gather_full(v, spec(params[i]), mesh) if _per_element(v) else v
+    state["state"] = {i: {k: to_host(gather_full(v, spec(params[i]), mesh)) if _per_element(v) else v
                           for k, v in s.items()} for i, s in state["state"].items()}
     return state
 

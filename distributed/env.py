@@ -112,8 +112,9 @@ def _read_env(env: dict[str, str]) -> DistEnv:
 
 
 def init_distributed(env: DistEnv, device: torch.device, collective_timeout_s: float = 300.0,
-                     rendezvous_timeout_s: float = 60.0) -> None:
-    """Join the default process group (NCCL on GPU, gloo on CPU); no-op for one process.
+                     rendezvous_timeout_s: float = 60.0, backend: str = "auto") -> None:
+    """Join the default process group (NCCL on GPU, gloo on CPU, or ``backend`` where it names
+    one); no-op for one process.
 
     The ranks first meet at a key-value store on rank 0's MASTER_ADDR:MASTER_PORT. Under
     torchrun its agent already runs that store and every rank is a client of it; otherwise
@@ -123,16 +124,17 @@ def init_distributed(env: DistEnv, device: torch.device, collective_timeout_s: f
     """
     if not env.is_distributed or dist.is_initialized():
         return
+    backend = dev.backend_for(device, backend)
     store = _rendezvous(env, rendezvous_timeout_s)
     dist.init_process_group(
-        backend=dev.backend_for(device),
+        backend=backend,
         store=store,
         rank=env.rank,
         world_size=env.world_size,
         timeout=datetime.timedelta(seconds=collective_timeout_s),
-        device_id=device if device.type == "cuda" else None,
+        device_id=device if backend == "nccl" else None,  # NCCL: this rank's GPU, bound at once
     )
-    log.info("process group: %s, world size %d", dev.backend_for(device), env.world_size)
+    log.info("process group: %s, world size %d", backend, env.world_size)
     global _heartbeat
     from distributed import health  # only distributed runs
 

@@ -147,12 +147,19 @@ def _every_expert(model: nn.Module):
                        f"{layer_name}.experts.{layer.first}.{leaf}")
 
 
-def _broadcast(value: Any, owner: int, group: Any) -> Any:
+def _broadcast(value: Any, owner: int, group: Any, device: torch.device) -> Any:
+    """The owner's ``value`` on every rank of ``group``, in host memory (consolidated state is
+    kept there). It travels through ``device``: NCCL sends device tensors only, and Adam's step
+    counts live in host memory."""
     if not torch.is_tensor(value):  # (SGD's momentum buffer without momentum: None everywhere)
         return value
-    value = value.detach().clone()
+    value = value.detach().to(device, copy=True)
     dist.broadcast(value, group=group, group_src=owner)
-    return value
+    return value.cpu()
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def serial_names(model: nn.Module) -> list[str]:
@@ -178,7 +185,7 @@ def full_model_state(model: nn.Module, mesh: ParallelMesh, state: dict[str, torc
     model's order: each expert's owner broadcasts it over its ep block."""
     me, group = mesh.rank_in("ep"), mesh.group("ep")
     for name, owner, mine in _every_expert(model):
-        state[name] = _broadcast(state[name] if owner == me else state[mine], owner, group)
+        state[name] = _broadcast(state[name] if owner == me else state[mine], owner, group, _device(model))
     return {n: state[n] for n in serial_names(model)}
 
 
@@ -193,7 +200,7 @@ def full_optimizer_state(model: nn.Module, mesh: ParallelMesh, state: dict[str, 
         if template is None:  # no step taken yet: no state anywhere
             continue
         source = by_name[name] if owner == me else template
-        by_name[name] = {k: _broadcast(source[k], owner, group) for k in sorted(template)}
+        by_name[name] = {k: _broadcast(source[k], owner, group, _device(model)) for k in sorted(template)}
     names = serial_names(model)
     full = dict(state)
     full["state"] = {i: by_name[n] for i, n in enumerate(names) if n in by_name}

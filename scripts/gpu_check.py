@@ -15,7 +15,12 @@ Checks, each isolated (one that fails is reported and the others still run):
 * ``dali``: the DALI GPU pipeline's batches against the PyTorch loader's (skipped when DALI
   is not importable);
 * ``ladder``: scripts/benchmark.py's rungs on the same model and data, one process per rung:
-  samples/s and MFU per rung.
+  samples/s and MFU per rung;
+* ``parallel``: the parallel layouts on 2 ranks (DDP, FSDP, tp2, pp2), every epoch's losses
+  against a one-process run of the same model. With two GPUs or more: NCCL, a rank per GPU.
+  With one: "NCCL: skipped: one GPU", and the layouts whose collectives gloo does for GPU
+  tensors (all but pp2: gloo has no send/recv for them) run over gloo with both ranks on the
+  GPU, so that every CUDA tensor path of the parallel code has run once.
 
 OUT/gpu_check_report.md and OUT/gpu_check_report.json hold the versions (torch, CUDA, cuDNN,
 NCCL, DALI), the GPU, and every check's result (pass, fail or skipped, with the reason);
@@ -53,8 +58,8 @@ if str(REPO) not in sys.path:
 
 log = logging.getLogger("gpu_check")
 
-CHECKS = ("tests", "data", "train_vs_graph", "dali", "ladder")
-NEEDS_DATA = ("train_vs_graph", "dali", "ladder")
+CHECKS = ("tests", "data", "train_vs_graph", "dali", "ladder", "parallel")
+NEEDS_DATA = ("train_vs_graph", "dali", "ladder", "parallel")
 CONFIG = "gpu_check"  # the config the runs use: `short` on the generated data
 IMG_SIZE = (360, 720)
 VALID_SAMPLES = 16  # validation samples per epoch of the training runs
@@ -494,6 +499,79 @@ def check_ladder(ctx: Context) -> dict[str, Any]:
                   f"{best['samples_per_sec']:.1f} samples/s, MFU {best['mfu']:.1%}", rungs=rungs)
 
 
+# ---------------------------------------------------------------- parallel ---
+# (name, entry script, flags): 2-rank layouts, each against the one-process run
+PARALLEL_JOBS = (("ddp", "train.py", ()), ("fsdp", "train.py", ("--data_parallel", "fsdp")),
+                 ("tp2", "train_mp.py", ("--tensor_parallel", "2")),
+                 ("pp2", "train_mp.py", ("--pipeline_parallel", "2")))
+GLOO_CANNOT = {"pp2": "gloo has no send/recv for GPU tensors (torch's backend table); it needs two GPUs"}
+
+
+def parallel_plan(gpus: int, names: list[str]) -> tuple[str, list[tuple[str, str, tuple[str, ...], str]]]:
+    """The backend and, per job, (name, script, flags, why it is skipped or ""), for ``gpus``
+    visible GPUs: NCCL with a rank per GPU from two on, gloo with both ranks on one GPU below."""
+    jobs = [job for job in PARALLEL_JOBS if job[0] in names]
+    if gpus >= 2:
+        return "nccl", [(n, script, flags, "") for n, script, flags in jobs]
+    return "gloo", [(n, script, (*flags, "--dist_backend", "gloo"), GLOO_CANNOT.get(n, ""))
+                    for n, script, flags in jobs]
+
+
+def train_run(ctx: Context, label: str, script: str, flags: tuple[str, ...], ranks: int
+              ) -> tuple[list[dict[str, Any]] | None, str]:
+    """Train ``label`` (torchrun for several ranks); its metrics records, or None and why not."""
+    a = ctx.args
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                    "--standalone", f"--nproc_per_node={ranks}"]
+    log_path = ctx.out / "logs" / f"parallel_{label}.log"
+    rc = run_logged([*launcher, str(REPO / script), "--yaml_config", str(ctx.yaml), "--config", CONFIG,
+                     "--run_num", label, "--num_iters", str(a.parallel_steps), "--amp_mode", "bf16", *flags],
+                    log_path, a.timeout)
+    if rc != 0:
+        return None, f"{label}: {script} {exit_text(rc, a.timeout)}: {tail_reason(log_path)}"
+    from utils.config import load_config
+
+    found = sorted((load_config(ctx.yaml, CONFIG).exp_path / CONFIG).glob(f"*/{label}/metrics.jsonl"))
+    if not found:
+        return None, f"{label}: {script} wrote no metrics.jsonl"
+    return read_metrics(found[0]), ""
+
+
+def check_parallel(ctx: Context, gpus: int | None = None) -> dict[str, Any]:
+    """The 2-rank layouts against one process, same seed, global batch and precision (bf16, as the
+    train_vs_graph check)."""
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    backend, jobs = parallel_plan(gpus, ctx.args.parallel_jobs)
+    reference, why = train_run(ctx, "serial", "train.py", (), 1)
+    if reference is None:
+        return failed(why)
+    rows, notes = [], ["NCCL: skipped: one GPU"] if backend == "gloo" else []
+    for name, script, flags, skip in jobs:
+        if skip:
+            rows.append({"name": name, "status": "skipped", "reason": skip})
+            continue
+        records, why = train_run(ctx, name, script, flags, 2)
+        res = failed(why) if records is None else compare_losses(reference, records, ctx.args.loss_rtol,
+                                                                 ("one process", name))
+        rows.append({"name": name, "status": res["status"], "reason": res["reason"],
+                     "max_rel_diff": res.get("max_rel_diff")})
+    bad = [r for r in rows if r["status"] == "fail"]
+    ran = [r["name"] for r in rows if r["status"] == "pass"]
+    skipped_jobs = [f"{r['name']} skipped: {r['reason']}" for r in rows if r["status"] == "skipped"]
+    where = "a rank per GPU" if backend == "nccl" else "both ranks on GPU 0"
+    details = {"backend": backend, "gpus": gpus, "jobs": rows}
+    if bad:
+        return failed("; ".join(f"{r['name']}: {r['reason']}" for r in bad), **details)
+    if not ran:
+        return skipped("; ".join(notes + skipped_jobs) or "no layout chosen", **details)
+    text = (f"{backend} ({where}): {', '.join(ran)} logged the one-process losses within "
+            f"{ctx.args.loss_rtol:.1%}")
+    return passed("; ".join([*notes, text, *skipped_jobs]), **details)
+
+
 # ------------------------------------------------------------------ report ---
 def write_report(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
     """OUT/gpu_check_report.json (everything) and OUT/gpu_check_report.md (for people)."""
@@ -526,7 +604,21 @@ def markdown(report: dict[str, Any]) -> str:
     lines += _losses_md(report["checks"].get("train_vs_graph", {}))
     lines += _ladder_md(report["checks"].get("ladder", {}), report["checks"].get("data", {}).get("model"),
                         report.get("options", {}))
+    lines += _parallel_md(report["checks"].get("parallel", {}))
     return "\n".join(lines) + "\n"
+
+
+def _parallel_md(res: dict[str, Any]) -> list[str]:
+    if not res.get("jobs"):
+        return []
+    title = f"Parallel layouts on 2 ranks against one process ({res['backend']}, {res['gpus']} GPU(s))"
+    lines = ["", f"## {title}",
+             "", "| layout | result | largest loss difference | details |", "|---|---|---|---|"]
+    for r in res["jobs"]:
+        diff = f"{r['max_rel_diff']:.3%}" if r.get("max_rel_diff") is not None else ""
+        reason = str(r.get("reason", "")).replace("|", "\\|")
+        lines.append(f"| {r['name']} | {r['status']} | {diff} | {reason} |")
+    return lines
 
 
 def _environment_md(env: dict[str, Any]) -> list[str]:
@@ -606,6 +698,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=4, help="data loader workers")
     p.add_argument("--matmul_size", type=int, default=2048,
                    help="size of the square matmuls that measure each rung's peak FLOP/s (benchmark.py)")
+    p.add_argument("--parallel_steps", type=int, default=8,
+                   help="training steps of the parallel check's runs")
+    p.add_argument("--parallel_jobs", default=",".join(job[0] for job in PARALLEL_JOBS),
+                   help="comma-separated layouts of the parallel check: "
+                        + ", ".join(job[0] for job in PARALLEL_JOBS))
     p.add_argument("--samples_per_year", type=int, default=48,
                    help="synthetic samples per split (about 21 MB each at 360 x 720)")
     p.add_argument("--timeout", type=float, default=600, help="seconds each subprocess may run")
@@ -618,10 +715,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = args.skip - set(CHECKS)
     if unknown:
         p.error(f"unknown check(s) for --skip: {', '.join(sorted(unknown))}; choose from {', '.join(CHECKS)}")
-    if min(args.steps, args.ladder_steps, args.batch) < 1 or args.workers < 0 or args.loss_rtol <= 0 \
-            or args.matmul_size < 2:
-        p.error("--steps, --ladder_steps and --batch must be at least 1, --workers at least 0, "
-                "--loss_rtol above 0")
+    if min(args.steps, args.ladder_steps, args.batch, args.parallel_steps) < 1 or args.workers < 0 \
+            or args.loss_rtol <= 0 or args.matmul_size < 2:
+        p.error("--steps, --ladder_steps, --parallel_steps and --batch must be at least 1, --workers "
+                "at least 0, --loss_rtol above 0")
+    args.parallel_jobs = [n.strip() for n in args.parallel_jobs.split(",") if n.strip()]
+    unknown_jobs = set(args.parallel_jobs) - {job[0] for job in PARALLEL_JOBS}
+    if unknown_jobs:
+        p.error(f"unknown layout(s) for --parallel_jobs: {', '.join(sorted(unknown_jobs))}; choose from "
+                f"{', '.join(job[0] for job in PARALLEL_JOBS)}")
     if args.samples_per_year < args.batch + 2:
         p.error(f"--samples_per_year must be at least --batch + 2 ({args.batch + 2}): one batch of "
                 f"(t, t + 1) pairs")
@@ -649,7 +751,7 @@ def setup_logging(path: Path) -> None:
 
 PLAN: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
     ("tests", check_tests), ("data", check_data), ("train_vs_graph", check_train_vs_graph),
-    ("dali", check_dali), ("ladder", check_ladder),
+    ("dali", check_dali), ("ladder", check_ladder), ("parallel", check_parallel),
 ]
 
 

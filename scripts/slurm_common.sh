@@ -29,21 +29,33 @@ export MASTER_ADDR=${MASTER_ADDR:-$(hostname)}
 export MASTER_PORT=${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 20000))}
 if [ "${NERSC_HOST:-}" = perlmutter ]; then
   export FI_MR_CACHE_MONITOR=userfaultfd  # libfabric memory registration cache on Slingshot
-  # Slurm gives task i the cores nearest GPU 3-i on a Perlmutter node: number the GPUs
-  # backwards so that local rank i (which takes GPU i) runs next to its GPU.
-  if [ "${SLURM_GPUS_ON_NODE:-0}" = 4 ]; then export CUDA_VISIBLE_DEVICES=3,2,1,0; fi
 fi
+
+# How srun binds each task's CPUs. A rank takes the GPU of its local rank (utils/device.py), so
+# the CPUs follow the GPUs, not the other way round: renumbering the GPUs with an exported
+# CUDA_VISIBLE_DEVICES does not survive srun, which sets that variable for every step itself
+# (tests/test_slurm.py shows it on a real Slurm). On a whole Perlmutter GPU node (4 GPUs, a task
+# each) GPU i is attached to NUMA domain 3 - i: task i is bound to that domain. Elsewhere each
+# task gets cores of its own.
+cpu_binding() {
+  if [ "${NERSC_HOST:-}" = perlmutter ] && [ "${SLURM_GPUS_ON_NODE:-0}" = 4 ] \
+      && [ "${SLURM_NTASKS_PER_NODE:-0}" = 4 ]; then
+    echo map_ldom:3,2,1,0
+  else
+    echo cores
+  fi
+}
 
 run_training() {
   local entry=$1; shift
   local launcher=(srun --kill-on-bad-exit=1 -u)
   # From Slurm 22.05 on, srun does not take --cpus-per-task from the batch allocation: each
   # task would get one CPU, and DataLoader workers and DALI threads would share it. Pass the
-  # allocation's CPUs per task on, each task bound to its own cores (next to its GPU: the
-  # GPU numbering above follows Perlmutter's core layout).
+  # allocation's CPUs per task on, each task bound to its own CPUs (next to its GPU on
+  # Perlmutter: cpu_binding above).
   if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
     export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
-    launcher+=(-c "$SLURM_CPUS_PER_TASK" --cpu-bind=cores)
+    launcher+=(-c "$SLURM_CPUS_PER_TASK" --cpu-bind="$(cpu_binding)")
   fi
   local profile=() cmd=() rc=0
   if ! mkdir -p "$LOGDIR" 2>/dev/null; then

@@ -109,3 +109,52 @@ def test_gpu_pipeline_equals_pytorch(cfg_factory):
         torch.testing.assert_close(x1, x2, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(y1, y2, rtol=1e-6, atol=1e-6)
     dali.close()
+
+
+def test_dali_gets_its_buffers_back_only_after_the_copies_out_of_them(cfg_factory, monkeypatch):
+    """On a GPU the copy out of each of DALI's output buffers is queued on torch's stream and runs
+    later, while DALI may refill a buffer it got back (its next run(), an epoch's reset, a closed
+    pipeline). The loader must wait for the copies first. A CPU copies at once, so the GPU's
+    event is faked: whenever DALI is called, every earlier batch's event must have been waited for."""
+    import utils.data_loader_dali as udl
+
+    events = []
+
+    class Event:
+        waited = False
+
+        def synchronize(self):
+            self.waited = True
+
+    def copies_done(device):
+        events.append(Event())
+        return events[-1]
+
+    calls = []
+
+    def checked(name, method):
+        def call(*args, **kwargs):
+            calls.append((name, all(e.waited for e in events)))
+            return method(*args, **kwargs)
+        return call
+
+    build = DALIBatches._build
+
+    def build_and_watch(self, *args):
+        build(self, *args)
+        self.pipe.run = checked("run", self.pipe.run)
+        self.pipe.reset = checked("reset", self.pipe.reset)
+
+    monkeypatch.setattr(udl.dev, "copies_done", copies_done)
+    monkeypatch.setattr(DALIBatches, "_build", build_and_watch)
+    cfg = cfg_factory(num_data_workers=0, limit_nsamples=16)
+    dali = DALIBatches(cfg, "train", BATCH, train=True)
+    assert_same(batches(dali, 0), pytorch_batches(cfg, "train", True, 0))
+    assert len(events) == 16 // BATCH
+    assert [n for n, _ in calls] == ["run"] * (16 // BATCH + 1) + ["reset"]
+    dali.set_epoch(1)
+    next(iter(dali))  # stopped early: the copies are still pending when the pipeline closes
+    assert not events[-1].waited
+    dali.close()
+    assert events[-1].waited
+    assert all(ok for _, ok in calls), calls

@@ -38,6 +38,28 @@ def test_an_srun_task_bound_to_one_gpu_takes_it_whatever_its_local_rank(monkeypa
     assert device == torch.device("cuda", 0) and chosen == [0]
 
 
+def test_gloo_ranks_share_the_gpus_and_the_backend_is_checked(monkeypatch, cfg_factory):
+    """--dist_backend gloo: ranks may outnumber the GPUs (make gpu-check's 2-rank jobs on one GPU);
+    NCCL without a GPU, and a pipeline over gloo on GPUs (gloo sends no GPU tensors), are refused."""
+    from training.launcher import check_backend
+
+    chosen = []
+    monkeypatch.setattr(dev, "cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    devices = [dev.pick_device(rank, 2, environ={}, share_gpus=True) for rank in (0, 1)]
+    assert devices == [torch.device("cuda", 0)] * 2 and chosen == [0, 0]
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert [dev.backend_for(gpu), dev.backend_for(cpu), dev.backend_for(gpu, "gloo")] == \
+        ["nccl", "gloo", "gloo"]
+    check_backend(cfg_factory(dist_backend="gloo", tensor_parallel=2), gpu)
+    check_backend(cfg_factory(dist_backend="gloo", pipeline_parallel=2), cpu)
+    with pytest.raises(ValueError, match="^pipeline stages pass activations with send and recv, which gloo"):
+        check_backend(cfg_factory(dist_backend="gloo", pipeline_parallel=2), gpu)
+    with pytest.raises(ValueError, match="^--dist_backend nccl needs GPUs with CUDA and this machine"):
+        check_backend(cfg_factory(dist_backend="nccl"), cpu)
+
+
 def test_rng_state_saves_only_this_ranks_gpu(monkeypatch):
     asked = []
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: asked.append(device) or torch.ones(3))

@@ -293,6 +293,32 @@ def test_dali_check_compares_the_pipelines(cfg_factory, tmp_path):
                                             "module named 'nvidia')")
 
 
+def test_parallel_plan_uses_nccl_from_two_gpus_and_gloo_on_one():
+    names = [job[0] for job in gc.PARALLEL_JOBS]
+    backend, jobs = gc.parallel_plan(4, names)
+    assert backend == "nccl" and [(n, skip) for n, _, _, skip in jobs] == [(n, "") for n in names]
+    assert all("--dist_backend" not in flags for _, _, flags, _ in jobs)
+    backend, jobs = gc.parallel_plan(1, names)
+    assert backend == "gloo" and all(flags[-2:] == ("--dist_backend", "gloo") for _, _, flags, _ in jobs)
+    assert [n for n, _, _, skip in jobs if skip] == ["pp2"]  # gloo sends no GPU tensors
+    with pytest.raises(SystemExit):
+        gc.parse_args(["--parallel_jobs", "ddp,zero3"])
+
+
+@pytest.mark.slow
+def test_parallel_check_trains_the_layouts_against_one_process(cfg_factory, tmp_path):
+    """The plumbing on CPU, as on a machine with one GPU: gloo, pp2 skipped, DDP against the
+    one-process run."""
+    ctx = small_ctx(cfg_factory, tmp_path, "baseline")
+    ctx.args.parallel_jobs, ctx.args.parallel_steps = ["ddp", "pp2"], 4
+    res = gc.check_parallel(ctx, gpus=1)
+    assert res["status"] == "pass", res["reason"]
+    assert res["reason"].startswith("NCCL: skipped: one GPU; gloo (both ranks on GPU 0): ddp logged")
+    assert [(j["name"], j["status"]) for j in res["jobs"]] == [("ddp", "pass"), ("pp2", "skipped")]
+    assert res["jobs"][0]["max_rel_diff"] < 1e-4
+    assert "| ddp | pass |" in gc.markdown({"checks": {"parallel": res}})
+
+
 @pytest.mark.slow
 def test_ladder_check_runs_the_benchmark_per_rung(cfg_factory, tmp_path):
     ctx = small_ctx(cfg_factory, tmp_path, "baseline")
@@ -342,3 +368,13 @@ def test_ladder_check_measures_every_rung(gpu_ctx):
     assert len(measured) == (2 if gpu_ctx.dali_error else 3)
     assert rungs["+AMP"]["settings"]["data_loader_config"] == ("pytorch" if gpu_ctx.dali_error else "dali")
     assert all(r["samples_per_sec"] > 0 and 0 < r["mfu"] <= 1 for r in measured)
+
+
+@pytest.mark.cuda
+def test_parallel_check_on_the_gpus(gpu_ctx):
+    """NCCL with two GPUs or more; on one, gloo with both ranks on it (pp2 skipped)."""
+    gpu_ctx.args.parallel_steps = 4
+    res = gc.check_parallel(gpu_ctx)
+    assert res["status"] == "pass", res["reason"]
+    ran = [j["name"] for j in res["jobs"] if j["status"] == "pass"]
+    assert ran == (["ddp", "fsdp", "tp2", "pp2"] if res["gpus"] >= 2 else ["ddp", "fsdp", "tp2"])

@@ -7,9 +7,12 @@ failure on any rank fails the test on all of them.
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from distributed import mappings as M
 from distributed.clipping import clip_grad_norm
@@ -397,3 +400,38 @@ def test_a_shard_owns_its_memory(shard_dim):
     assert torch.equal(shard, full.chunk(2, dim=shard_dim)[1])
     assert shard.is_contiguous()
     assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
+
+
+def test_consolidation_moves_each_gathered_tensor_to_host_memory_at_once(monkeypatch):
+    """A checkpoint's whole tensors go to host memory one by one as they are gathered, so a GPU
+    never holds more than one of them beside the model (all at once: the model and Adam's
+    state again). No CPU test sees device memory, so the device is faked: each gathered tensor
+    is marked, and the move to the host is a copy, as it is from a GPU."""
+    from distributed import consolidate as C
+
+    gathered: list = []
+    alive_at_once = []
+    real_gather = C.gather_full
+
+    def gather(t, p_spec, mesh):
+        out = real_gather(t, p_spec, mesh)
+        gathered.append(weakref.ref(out))
+        alive_at_once.append(sum(r() is not None for r in gathered))
+        return out
+
+    monkeypatch.setattr(C, "gather_full", gather)
+    monkeypatch.setattr(C, "to_host", lambda t: t.clone())  # from a GPU, .to("cpu") copies
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    mesh = ParallelMesh(sizes={"dp": 1})
+    state = C.full_state(model, mesh)
+    assert list(state) == [n for n, _ in model.named_parameters()]
+    assert all(torch.equal(state[n], p) for n, p in model.named_parameters())
+    opt_state = C.full_optimizer_state(opt, mesh)
+    assert len(gathered) == 4 + 2 * 4  # 4 tensors; each with Adam's two moments
+    assert max(alive_at_once) == 1, alive_at_once  # never two gathered tensors held at once
+    assert all(torch.equal(opt_state["state"][i]["exp_avg"], opt.state[p]["exp_avg"])
+               for i, p in enumerate(model.parameters()))

@@ -113,6 +113,23 @@ def test_signal_checkpoints_and_requeued_job_resumes(slurm, data_dir, test_yaml,
     assert metrics(run_dir(tmp_path / "logs", 1))[-1]["step"] == num_iters
 
 
+def test_srun_gives_its_tasks_the_steps_gpus_whatever_the_batch_script_exported(slurm, tmp_path):
+    """Why scripts/slurm_common.sh binds each task's CPUs to its GPU instead of renumbering the
+    GPUs (as SC23's scripts did with CUDA_VISIBLE_DEVICES=3,2,1,0): srun sets the variable for
+    every step's tasks itself, so an exported value never reaches them. (Fake GPU devices here.)"""
+    script = tmp_path / "gpus.sh"
+    script.write_text("#!/bin/bash\nexport CUDA_VISIBLE_DEVICES=3,2,1,0\n"
+                      "srun bash -c 'echo all $SLURM_LOCALID $CUDA_VISIBLE_DEVICES'\n"
+                      "srun --gpus-per-task=1 bash -c 'echo own $SLURM_LOCALID $CUDA_VISIBLE_DEVICES'\n")
+    options = ["-n", "2", "-c", "2", "--gpus-per-node", "4", "-o", f"{tmp_path}/%x-%j.out"]
+    job = slurm.sbatch(script, [], options, cwd=tmp_path, env=subprocess_env(gpus=True))
+    info = slurm.wait(job, JOB_TIMEOUT)
+    out = job_output(tmp_path, job)
+    assert info["JobState"] == "COMPLETED", out
+    lines = sorted(line for line in out.splitlines() if line.startswith(("all ", "own ")))
+    assert lines == ["all 0 0,1,2,3", "all 1 0,1,2,3", "own 0 0", "own 1 1"], out
+
+
 def test_profiling_without_nsys_is_a_one_line_error(slurm, tmp_path):
     job = submit(slurm, "submit_pm.sh", ["--config=tiny"], tmp_path, ["-n", "1"],
                  ENABLE_PROFILING="1", PROFILE_OUTPUT="p", PATH="/usr/bin:/bin")

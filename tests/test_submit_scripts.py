@@ -72,6 +72,23 @@ def test_srun_gets_the_allocations_cpus_per_task(tmp_path):
     assert calls[-1].startswith("srun --kill-on-bad-exit=1 -u bash ")
 
 
+def test_perlmutter_binds_each_task_to_its_gpus_numa_domain(tmp_path):
+    """A whole Perlmutter node: local rank i takes GPU i, which is attached to NUMA domain 3 - i,
+    so task i is bound there; the GPUs are not renumbered (srun resets CUDA_VISIBLE_DEVICES,
+    tests/test_slurm.py). A shared node (one GPU) or another cluster: cores of its own."""
+    node = {"NERSC_HOST": "perlmutter", "SLURM_CPUS_PER_TASK": "32", "SLURM_GPUS_ON_NODE": "4",
+            "SLURM_NTASKS_PER_NODE": "4"}
+    calls = run_training(tmp_path, "train.py", with_shifter=False, **node)
+    assert calls[-1].startswith("srun --kill-on-bad-exit=1 -u -c 32 --cpu-bind=map_ldom:3,2,1,0 ")
+    script = f'REPO={REPO}; source scripts/slurm_common.sh && echo "$CUDA_VISIBLE_DEVICES"'
+    res = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env=subprocess_env(gpus=True, CUDA_VISIBLE_DEVICES="0,1,2,3", **node))
+    assert res.stdout.strip() == "0,1,2,3"  # as Slurm set it
+    for other in ({"SLURM_GPUS_ON_NODE": "1", "SLURM_NTASKS_PER_NODE": "1"}, {"NERSC_HOST": "muller"}):
+        calls = run_training(tmp_path / str(len(other)), "train.py", with_shifter=False, **{**node, **other})
+        assert calls[-1].startswith("srun --kill-on-bad-exit=1 -u -c 32 --cpu-bind=cores ")
+
+
 def test_native_runs_even_where_shifter_exists(tmp_path):
     calls = run_training(tmp_path, "train.py", with_shifter=True, NATIVE="1")
     assert len(calls) == 1 and "shifter" not in calls[0] and f"{sys.executable} train.py" in calls[0]

@@ -20,6 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from distributed import mesh as meshes
@@ -117,6 +118,17 @@ def _check_lesson(cfg: Config, config_name: str, model_parallel: bool) -> None:
                          f"expert parallel runs use train_mp.py")
 
 
+def check_backend(cfg: Config, device: torch.device) -> None:
+    """What the chosen process-group backend cannot do on this device, as a ValueError."""
+    if cfg.dist_backend == "nccl" and device.type != "cuda":
+        raise ValueError("--dist_backend nccl needs GPUs with CUDA and this machine has none; use "
+                         "--dist_backend gloo (or auto) on CPUs")
+    if cfg.dist_backend == "gloo" and device.type == "cuda" and cfg.pipeline_parallel > 1:
+        # torch's backend table: gloo's send and recv take CPU tensors only
+        raise ValueError("pipeline stages pass activations with send and recv, which gloo does not do "
+                         "for GPU tensors; use --dist_backend nccl (one rank per GPU) for pipelines")
+
+
 def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunContext, int]:
     """Config, process group, mesh and run directory; raises ValueError for user mistakes."""
     env = parse_env()
@@ -127,8 +139,9 @@ def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunC
     meshes.check_expert_parallel(full[meshes.DATA], cfg.expert_parallel)
     meshes.check_model(cfg)
     dev.set_cpu_threads(env.local_world_size)
-    device = dev.pick_device(env.local_rank, env.local_world_size)
-    init_distributed(env, device, cfg.collective_timeout_s, cfg.rendezvous_timeout_s)
+    device = dev.pick_device(env.local_rank, env.local_world_size, share_gpus=cfg.dist_backend == "gloo")
+    check_backend(cfg, device)
+    init_distributed(env, device, cfg.collective_timeout_s, cfg.rendezvous_timeout_s, cfg.dist_backend)
     mesh = meshes.build_mesh(sizes, cfg.parallel_order, device.type)
     run_dir = run_dir_for(cfg, args.config, args.run_num or DEFAULT_RUN_NUM, mesh, model_parallel)
     ctx = RunContext(device=device, run_dir=run_dir, rank=env.rank, world_size=env.world_size,

@@ -164,6 +164,10 @@ class Config:
     powersgd_rank: int = key(4, "powersgd: rank of each gradient matrix's approximation", "data parallel")
     powersgd_error_feedback: bool = key(True, "powersgd: add each step's compression error to the "
                                               "next step's gradient", "data parallel")
+    dist_backend: str = key("auto", "process-group backend: auto (NCCL on GPUs, gloo on CPUs), nccl, or "
+                                    "gloo, on GPUs too (tensors go through host memory; ranks may then "
+                                    "share a GPU, as make gpu-check does on a machine with one)",
+                            "data parallel", choices=("auto", "nccl", "gloo"))
     rendezvous_timeout_s: float = key(60.0, "seconds to wait for every rank to start and meet "
                                             "(srun or plain environment; torchrun meets on its own)",
                                       "data parallel")
@@ -221,7 +225,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "profile",
     "enable_fused", "enable_jit", "attention_kernel", "tensor_parallel", "context_parallel", "parallel_order",
     "sequence_parallel", "expert_parallel", "bucket_cap_mb", "disable_broadcast_buffers",
-    "rendezvous_timeout_s", "collective_timeout_s",
+    "rendezvous_timeout_s", "collective_timeout_s", "dist_backend",
     "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",
     "dp_shard", "cpu_offload", "engine", "zero_stage",
     "pipeline_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",

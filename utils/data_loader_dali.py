@@ -113,6 +113,7 @@ class DALIBatches:
         self.pipe = None
         self._ready_for: tuple[int, int] | None = None  # epoch the running pipeline starts next
         self._wanted = (0, 0)
+        self._copying: tuple[Any, Any] | None = None  # (DALI's last outputs, their copies' event)
 
     def _key(self, epoch: int, start_batch: int) -> tuple[int, int]:
         return (epoch if self.shuffle else 0, start_batch)  # unshuffled: every epoch alike
@@ -154,24 +155,38 @@ class DALIBatches:
             self._build(epoch, start_batch)
         self._ready_for = None  # stays None if the caller stops early
         while True:
+            self._wait_for_copies()  # run() may reuse the last batch's buffers
             try:
-                inp, tar = self.pipe.run()
+                outputs = self.pipe.run()
             except StopIteration:
                 break
-            yield self._to_torch(inp), self._to_torch(tar)
+            batch = self._to_torch(outputs[0]), self._to_torch(outputs[1])
+            self._copying = outputs, dev.copies_done(self.device)
+            yield batch
         self.pipe.reset()  # DALI epoch ends; the next one is the next training epoch
         self._ready_for = self._key(epoch + 1, 0)
+
+    def _wait_for_copies(self) -> None:
+        """On a GPU the copies out of DALI's buffers are queued on torch's stream, behind the
+        steps queued before them, and the host runs ahead: DALI must not get those buffers back
+        (its next run() or reset, or a closed pipeline) before the copies have run. The outputs
+        are held until then (DALI's default executor frees a buffer with its last reference)."""
+        if self._copying is not None:
+            _, event = self._copying
+            if event is not None:
+                event.synchronize()
+            self._copying = None
 
     def _to_torch(self, batch) -> torch.Tensor:
         dense = batch.as_tensor()
         if self.device.type != "cuda":
-            return torch.from_numpy(np.array(dense))  # copy: DALI reuses its buffers
+            return torch.from_numpy(np.array(dense))  # copy (done on return): DALI reuses its buffers
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
         out = torch.empty(dense.shape(), dtype=torch.float32, device=self.device)
         # device-to-device copy, queued on torch's current stream as DALI's own PyTorch
         # iterator does: on another stream it could overwrite memory that kernels already
-        # queued on torch's stream still read
+        # queued on torch's stream still read. It runs later: see _wait_for_copies.
         feed_ndarray(dense, out, cuda_stream=dev.current_stream_handle(self.device))
         return out
 
@@ -181,6 +196,7 @@ class DALIBatches:
     def close(self) -> None:
         """Stop the pipeline and its worker processes."""
         if getattr(self, "pipe", None) is not None:  # __init__ may have failed before it
+            self._wait_for_copies()
             del self.pipe
             self.pipe = None
             self._ready_for = None

@@ -31,13 +31,15 @@ def slurm_task(environ: dict[str, str] | None = None) -> bool:
 
 
 def pick_device(local_rank: int = 0, local_world_size: int = 1,
-                environ: dict[str, str] | None = None) -> torch.device:
+                environ: dict[str, str] | None = None, share_gpus: bool = False) -> torch.device:
     """The GPU of this local rank when CUDA is there, else the CPU.
 
     One GPU per rank: two ranks on one GPU fail in NCCL (or run slowly and share memory),
     so more ranks on a node than visible GPUs is a user mistake, reported in one line. An
     srun task that sees exactly one GPU was given it (`--gpus-per-task=1` binds each task to
     its own GPU, which it sees as GPU 0), so it takes that one whatever its local rank.
+    ``share_gpus`` (gloo on GPUs, which NCCL's one-rank-per-GPU rule does not bind): ranks
+    take the visible GPUs in turn.
     """
     if not cuda_available():
         return torch.device("cpu")
@@ -45,6 +47,9 @@ def pick_device(local_rank: int = 0, local_world_size: int = 1,
     if count == 1 and local_world_size > 1 and slurm_task(environ):
         torch.cuda.set_device(0)
         return torch.device("cuda", 0)
+    if share_gpus:
+        torch.cuda.set_device(local_rank % count)
+        return torch.device("cuda", local_rank % count)
     if local_world_size > count:
         raise ValueError(f"{local_world_size} ranks on this node but {count} visible GPU(s) "
                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
@@ -54,8 +59,11 @@ def pick_device(local_rank: int = 0, local_world_size: int = 1,
     return torch.device("cuda", local_rank)
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+def backend_for(device: torch.device, choice: str = "auto") -> str:
+    """The process-group backend: NCCL on GPUs, gloo on CPUs, unless ``choice`` names one."""
+    if choice == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    return choice
 
 
 def usable_cpus() -> int:
@@ -197,6 +205,16 @@ def nvtx_range(name: str) -> Iterator[None]:
 def timing_event(device: torch.device) -> torch.cuda.Event:
     """A CUDA event that records a time stamp on the current stream."""
     return torch.cuda.Event(enable_timing=True)
+
+
+def copies_done(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded on the current stream after the work queued so far (copies, say), or
+    None on a CPU, where that work is already done."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def gpu_facts(index: int = 0) -> dict:
