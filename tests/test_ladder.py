@@ -70,6 +70,23 @@ def test_profiling_keys_are_validated(cfg_factory, overrides, message):
 
 
 # ----------------------------------------------------------------- precision ---
+def test_a_cpu_without_low_precision_arithmetic_is_named_at_start(monkeypatch, cfg_factory):
+    """A CPU without bf16 arithmetic (AVX2 only) computes bf16 matmuls in generic code, 40 times
+    slower than fp32 measured on one: the run says so in one line at start. The measurement is
+    machine-dependent, so the line's rule is tested with the measurement faked."""
+    from training.launcher import precision_warning
+
+    cpu = torch.device("cpu")
+    assert dev.low_precision_slowdown(cpu, "none") == 1.0
+    assert dev.low_precision_slowdown(cpu, "bf16") > 0
+    monkeypatch.setattr(dev, "low_precision_slowdown", lambda device, amp: 40.0)
+    line = precision_warning(cfg_factory(amp_mode="bf16"), cpu)
+    assert line.startswith("bf16 matmuls take 40 times as long as fp32 ones on this CPU (it has no bf16 "
+                           "arithmetic") and "--amp_mode none trains in fp32" in line
+    monkeypatch.setattr(dev, "low_precision_slowdown", lambda device, amp: 0.3)  # AVX-512 BF16: faster
+    assert precision_warning(cfg_factory(amp_mode="bf16"), cpu) is None
+
+
 def test_bf16_autocast_stays_close_to_fp32(cfg_factory, tmp_path):
     batches = fixed_batches(4, cfg_factory())
     fp32 = train_losses(make_trainer(cfg_factory(), tmp_path / "a"), batches)

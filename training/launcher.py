@@ -129,6 +129,18 @@ def check_backend(cfg: Config, device: torch.device) -> None:
                          "for GPU tensors; use --dist_backend nccl (one rank per GPU) for pipelines")
 
 
+def precision_warning(cfg: Config, device: torch.device) -> str | None:
+    """One line when this CPU computes the run's low-precision matmuls far slower than fp32 ones
+    (no bf16/fp16 arithmetic): the learner who turns on mixed precision should know at once."""
+    slowdown = dev.low_precision_slowdown(device, cfg.amp_mode)
+    if slowdown < 2:
+        return None
+    return (f"{cfg.amp_mode} matmuls take {slowdown:.0f} times as long as fp32 ones on this CPU (it has "
+            f"no {cfg.amp_mode} arithmetic, so torch computes them in generic code): autocast makes this "
+            f"run slower, not faster. Mixed precision pays on GPUs and on CPUs with AVX-512 BF16 or AMX; "
+            f"--amp_mode none trains in fp32")
+
+
 def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunContext, int]:
     """Config, process group, mesh and run directory; raises ValueError for user mistakes."""
     env = parse_env()
@@ -181,6 +193,9 @@ def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description:
                          ctx.run_dir, cfg.num_iters, previous["step"])
                 return exit_now(0)
         log.info("%s", dev.environment_summary(ctx.device))
+        slow = precision_warning(cfg, ctx.device)
+        if slow:
+            log.warning("%s", slow)
         log.info("config %s on %s, %d rank(s); run directory %s", args.config, ctx.device,
                  ctx.world_size, ctx.run_dir)
         if cfg.pipeline_parallel > 1:  # the pipelined step, imported only for pipelines

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -104,6 +105,32 @@ def autocast(device: torch.device, amp_mode: str,
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=cache_enabled)
+
+
+def low_precision_slowdown(device: torch.device, amp_mode: str, n: int = 256, reps: int = 3) -> float:
+    """How many times longer a square matmul takes in ``amp_mode``'s dtype than in fp32 on this
+    CPU (best of ``reps``); 1.0 on a GPU or without autocast. A CPU without bf16 (or fp16)
+    arithmetic has no fast kernel for them, and torch computes them in generic code: 10 to 60
+    times slower than fp32 measured on an AMD EPYC with AVX2 only (torch 2.13)."""
+    dtype = AMP_DTYPES[amp_mode]
+    if dtype is None or device.type != "cpu":
+        return 1.0
+    best = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core's speed: threads waiting on a busy machine would blur it
+    try:
+        for dt in (torch.float32, dtype):
+            a, b = torch.ones(n, n, dtype=dt), torch.ones(n, n, dtype=dt)
+            a @ b  # first call: kernel choice, buffers
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                a @ b
+                times.append(time.perf_counter() - start)
+            best[dt] = min(times)
+    finally:
+        torch.set_num_threads(threads)
+    return best[dtype] / max(best[torch.float32], 1e-9)
 
 
 def make_grad_scaler(device: torch.device, amp_mode: str) -> torch.amp.GradScaler | None:
