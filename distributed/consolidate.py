@@ -29,17 +29,20 @@ def take_shard(full: torch.Tensor, p_spec: ParamSpec, mesh: ParallelMesh) -> tor
         memory_format=torch.contiguous_format)
 
 
-def gather_full(t: torch.Tensor, p_spec: ParamSpec, mesh: ParallelMesh) -> torch.Tensor:
+def gather_full(t: torch.Tensor, p_spec: ParamSpec, mesh: ParallelMesh,
+                device: torch.device | None = None) -> torch.Tensor:
     """The whole tensor from every rank's shard (collective over dp for an FSDP-sharded tensor,
-    over tp for a tp-sharded one)."""
+    over tp for a tp-sharded one). ``device``: where a tp shard is gathered, its parameter's
+    (ZeRO-1 hands its consolidated state over in host memory, and NCCL gathers device tensors)."""
     t = full(t)
     tp = mesh.size("tp")
     if p_spec.shard_dim is None or tp == 1:
         return t.detach().clone()
-    from distributed.mappings import all_gather_along  # only with tensor parallelism
+    from distributed import mappings  # only with tensor parallelism
 
     sizes = [t.shape[p_spec.shard_dim]] * tp
-    return all_gather_along(t.detach(), p_spec.shard_dim, mesh.group("tp"), sizes)
+    return mappings.all_gather_along(t.detach().to(device or t.device), p_spec.shard_dim,
+                                     mesh.group("tp"), sizes)
 
 
 def check_names(expected: Iterable[str], state: dict[str, torch.Tensor]) -> None:
@@ -98,7 +101,8 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer, mesh: ParallelMesh) -
             return {}
     state = optimizer.state_dict()
     params = _optimizer_params(optimizer)
-    state["state"] = {i: {k: to_host(gather_full(v, spec(params[i]), mesh)) if _per_element(v) else v
+    state["state"] = {i: {k: to_host(gather_full(v, spec(params[i]), mesh, params[i].device))
+                          if _per_element(v) else v
                           for k, v in s.items()} for i, s in state["state"].items()}
     return state
 

@@ -378,6 +378,23 @@ def test_fp32_peak_is_measured_with_tf32_as_the_trainer_runs(monkeypatch):
         assert peaks["none"] > 1.5 * true_fp32, (peaks, true_fp32)
 
 
+def test_a_slow_dtype_ends_the_peak_climb_and_mfu_above_100_is_not_shown(monkeypatch):
+    """A CPU without bf16 arithmetic took minutes for one bf16 matmul of 4096: a size whose first
+    call runs past the budget is the last one timed. Its peak then depends on the shape, and an
+    MFU above 100 % is shown as such, not as a number."""
+    from scripts import benchmark
+
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(a.shape[0]) or real_mm(a, b))
+    assert benchmark.matmul_peak(torch.device("cpu"), torch.float32, 64, reps=2, budget_s=0.0) > 0
+    assert calls == [8]  # the first size only: its first call ran past a budget of 0 s
+    calls.clear()
+    benchmark.matmul_peak(torch.device("cpu"), torch.float32, 64, reps=2, budget_s=60.0)
+    assert calls == [s for s in (8, 16, 32, 64, 128) for _ in range(3)]
+    assert benchmark.mfu_text(0.383) == "38.3%" and benchmark.mfu_text(5.6) == "(\\*)"
+
+
 def test_dali_missing_is_one_clean_error(cfg_factory, monkeypatch):
     """Without DALI installed: the install hint as a DataError, and no traceback from the
     half-built loader's clean-up afterwards."""

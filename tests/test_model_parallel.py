@@ -413,8 +413,8 @@ def test_consolidation_moves_each_gathered_tensor_to_host_memory_at_once(monkeyp
     alive_at_once = []
     real_gather = C.gather_full
 
-    def gather(t, p_spec, mesh):
-        out = real_gather(t, p_spec, mesh)
+    def gather(t, p_spec, mesh, device=None):
+        out = real_gather(t, p_spec, mesh, device)
         gathered.append(weakref.ref(out))
         alive_at_once.append(sum(r() is not None for r in gathered))
         return out
@@ -435,3 +435,22 @@ def test_consolidation_moves_each_gathered_tensor_to_host_memory_at_once(monkeyp
     assert max(alive_at_once) == 1, alive_at_once  # never two gathered tensors held at once
     assert all(torch.equal(opt_state["state"][i]["exp_avg"], opt.state[p]["exp_avg"])
                for i, p in enumerate(model.parameters()))
+
+
+def test_a_shard_in_host_memory_is_gathered_on_its_parameters_device(monkeypatch):
+    """ZeRO-1 consolidates Adam's state into host memory (torch's ZeroRedundancyOptimizer) and NCCL
+    gathers only device tensors, so a tp-sharded moment goes back to its parameter's device for
+    the gather over tp. The meta device stands in for the GPU; the gather is faked (one process)."""
+    from distributed import consolidate as C
+    from distributed import mappings
+
+    seen = []
+
+    def gather(t, dim, group, sizes):
+        seen.append(t.device)
+        return torch.cat([t] * len(sizes), dim)
+
+    monkeypatch.setattr(mappings, "all_gather_along", gather)
+    mesh = ParallelMesh(sizes={"tp": 2, "cp": 1, "dp": 1}, coords={"tp": 0})
+    whole = C.gather_full(torch.ones(2, 3), ParamSpec(1), mesh, torch.device("meta"))
+    assert seen == [torch.device("meta")] and whole.shape == (2, 6)
