@@ -227,10 +227,13 @@ BROADCAST_BATCH = 8  # broadcasts in one timed call (their latency per call is w
 
 
 def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
-    """This rank's achieved matmul FLOP/s per dtype (1024 x 1024 x 1024 and 512 x 128 x 384
-    products: the second is the size of a small model's layers), memory bandwidth (bytes read
-    + written by an add of 64 MiB tensors) and Adam's seconds per parameter (torch's
-    default implementation on a million parameters in 8 tensors).
+    """This rank's achieved matmul FLOP/s per dtype: "large", a 1024 x 1024 x 1024 product;
+    "small", a small model's layer (2048 tokens of 128 features to 384), its three products as a
+    step runs them (forward, the input's gradient, the weight's: transposed operands run at other
+    speeds); "attention", the fused attention kernel the trainer takes for the dtype (16 samples,
+    4 heads, 128 tokens of 32), forward and backward, per FLOP of its two products. Also memory
+    bandwidth (bytes read + written by an add of 64 MiB tensors) and Adam's seconds per
+    parameter (torch's default implementation on a million parameters in 8 tensors).
 
     With several ranks (a process group) every rank does the same number of calls, started
     together, and the time is until the last one is done: ranks that share cores share them
@@ -244,10 +247,14 @@ def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
     device = calibration_device()
 
     def timed(fn) -> float:
+        start = time.perf_counter()
         fn()
         dev.synchronize(device)
-        start, runs = time.perf_counter(), 0
-        while time.perf_counter() - start < seconds / 5:  # how many calls make about `seconds`
+        # how many calls make about `seconds`; one, when the first alone took longer (bf16 on a
+        # CPU without bf16 arithmetic: seconds for one large product)
+        runs, slow = 0, time.perf_counter() - start > seconds
+        start = time.perf_counter()
+        while not slow and time.perf_counter() - start < seconds / 5:
             fn()
             dev.synchronize(device)
             runs += 1
@@ -263,14 +270,29 @@ def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
             dist.barrier()
         return (time.perf_counter() - start) / int(calls)
 
+    from utils import attention
+
     out: dict[str, Any] = {"matmul_flops": {}}
     for dtype in (torch.float32, torch.bfloat16):
-        rates = []
-        for n, k, c in ((1024, 1024, 1024), (512, 128, 384)):
-            a = torch.randn(n, k, dtype=dtype, device=device)
-            b = torch.randn(k, c, dtype=dtype, device=device)
-            rates.append(2 * n * k * c / timed(lambda a=a, b=b: a @ b))
-        out["matmul_flops"][str(dtype).removeprefix("torch.")] = {"large": rates[0], "small": rates[1]}
+        rates = {}
+        a, b = (torch.randn(1024, 1024, dtype=dtype, device=device) for _ in range(2))
+        rates["large"] = 2 * 1024**3 / timed(lambda a=a, b=b: a @ b)
+        t, k, c = 2048, 128, 384
+        x, w, g = (torch.randn(*shape, dtype=dtype, device=device) for shape in ((t, k), (c, k), (t, c)))
+        rates["small"] = 3 * 2 * t * k * c / timed(lambda x=x, w=w, g=g: (x @ w.t(), g @ w, g.t() @ x))
+        shape = (16, 4, 128, 32)  # (batch, heads, tokens, head dim)
+        q, key, v = (torch.randn(shape, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+        grad = torch.randn(shape, dtype=dtype, device=device)
+        chosen = attention.choose("auto", device, dtype, shape[2])
+
+        def attend(q=q, key=key, v=v, grad=grad, chosen=chosen) -> None:
+            with attention.kernel(chosen):
+                out = torch.nn.functional.scaled_dot_product_attention(q, key, v)
+            out.backward(grad)
+
+        b_, h, n, d = shape  # q k^T and (..) v: 2 n n d each per head, forward and twice in backward
+        rates["attention"] = 3 * 2 * (2 * b_ * h * n * n * d) / timed(attend)
+        out["matmul_flops"][str(dtype).removeprefix("torch.")] = rates
     x, y = torch.randn(2**24, device=device), torch.randn(2**24, device=device)
     out["memory_bandwidth"] = 3 * x.numel() * 4 / timed(lambda: torch.add(x, y))
     params = [torch.nn.Parameter(torch.randn(2**17, device=device)) for _ in range(8)]
@@ -405,8 +427,9 @@ def calibrate(ranks: tuple[int, ...] = (1, 2, 4), calls: int = 30, seconds: floa
         data = json.loads(done.stdout.strip().splitlines()[-1])
         every = data["compute"]
         mean = lambda get, every=every: sum(get(c) for c in every) / len(every)
-        entry = {"matmul_flops": {d: {s: mean(lambda c, d=d, s=s: c["matmul_flops"][d][s])
-                                      for s in ("large", "small")} for d in every[0]["matmul_flops"]},
+        first = every[0]["matmul_flops"]
+        entry = {"matmul_flops": {d: {s: mean(lambda c, d=d, s=s: c["matmul_flops"][d][s]) for s in first[d]}
+                                  for d in first},
                  "memory_bandwidth": mean(lambda c: c["memory_bandwidth"]),
                  "adam_seconds_per_parameter": mean(lambda c: c["adam_seconds_per_parameter"])}
         if r > 1:

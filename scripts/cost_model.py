@@ -515,8 +515,10 @@ def step_time(m: Model, lay: Layout, machine: dict[str, Any], dtype: str = "floa
     per_rank = []
     for pp_rank in range(lay.pp):
         compute = 0.0
-        for _, f, by in layer_costs(m, lay, pp_rank):
+        for name, f, by in layer_costs(m, lay, pp_rank):
             big = "large" if f > 0 and by and f / by > 64 else "small"  # arithmetic intensity
+            if name.startswith("attention") and "attention" in rate:  # the fused kernel's own rate
+                big = "attention"
             compute += max(f / rate[big] if f else 0.0, moved * by / c["memory_bandwidth"])
         mem = memory(m, lay, pp_rank)
         optimizer = mem["optimizer_state"] / (2 * E) * c["adam_seconds_per_parameter"]

@@ -140,6 +140,20 @@ def test_pipeline_bubble_and_overlap_in_the_time():
     assert hidden["communication"] < cm.step_time(m, cm.Layout(2), MACHINE)["communication"]
 
 
+def test_the_attention_kernel_has_a_rate_of_its_own():
+    """A calibrated machine times attention's two products at the fused kernel's measured rate
+    (on this CPU below the layers' matmuls); a machine without one (vendor figures) at theirs."""
+    m = cm.Model.from_config(tiny())
+    slow = json.loads(json.dumps(MACHINE))
+    for entry in slow["by_ranks"].values():
+        entry["matmul_flops"]["float32"]["attention"] = 1e9
+    base, with_kernel = (cm.step_time(m, cm.Layout(1), machine)["compute"] for machine in (MACHINE, slow))
+    attention_flops = sum(f for name, f, _ in cm.layer_costs(m, cm.Layout(1)) if name.startswith("attention"))
+    assert attention_flops > 0
+    # each attention product now takes f / 1e9 s instead of at most f / 5e10 (or its bytes' time)
+    assert attention_flops * (1 / 1e9 - 1 / 5e10) * (1 - 1e-9) <= with_kernel - base <= attention_flops / 1e9
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "scripts/cost_model.py", *args], cwd=REPO, env=subprocess_env(),
                           capture_output=True, text=True, timeout=60)
