@@ -183,9 +183,9 @@ def full_model_state(model: nn.Module, mesh: ParallelMesh, state: dict[str, torc
                      ) -> dict[str, torch.Tensor]:
     """``state`` (this rank's consolidated parameters) with every rank's experts, in the serial
     model's order: each expert's owner broadcasts it over its ep block."""
-    me, group = mesh.rank_in("ep"), mesh.group("ep")
+    me, group, device = mesh.rank_in("ep"), mesh.group("ep"), _device(model)
     for name, owner, mine in _every_expert(model):
-        state[name] = _broadcast(state[name] if owner == me else state[mine], owner, group, _device(model))
+        state[name] = _broadcast(state[name] if owner == me else state[mine], owner, group, device)
     return {n: state[n] for n in serial_names(model)}
 
 
@@ -194,13 +194,13 @@ def full_optimizer_state(model: nn.Module, mesh: ParallelMesh, state: dict[str, 
     re-indexed by the serial model's parameters, every rank's experts' state included."""
     own = [n for n, _ in model.named_parameters()]
     by_name = {own[i]: s for i, s in state["state"].items()}
-    me, group = mesh.rank_in("ep"), mesh.group("ep")
+    me, group, device = mesh.rank_in("ep"), mesh.group("ep"), _device(model)
     for name, owner, mine in _every_expert(model):
         template = by_name.get(mine)
         if template is None:  # no step taken yet: no state anywhere
             continue
         source = by_name[name] if owner == me else template
-        by_name[name] = {k: _broadcast(source[k], owner, group, _device(model)) for k in sorted(template)}
+        by_name[name] = {k: _broadcast(source[k], owner, group, device) for k in sorted(template)}
     names = serial_names(model)
     full = dict(state)
     full["state"] = {i: by_name[n] for i, n in enumerate(names) if n in by_name}

@@ -305,7 +305,9 @@ def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
 
 def calibration_device() -> torch.device:
     """This rank's GPU (NCCL), or the CPU (gloo)."""
-    if torch.cuda.is_available():
+    from utils import device as dev
+
+    if dev.cuda_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -360,10 +362,12 @@ def calibration_worker(calls: int = 30, seconds: float = 0.25) -> int:
     import torch
     import torch.distributed as dist
 
+    from utils import device as dev
+
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(calibration_device())
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = dev.pick_device(int(os.environ.get("LOCAL_RANK", "0")),
+                             int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    dist.init_process_group(dev.backend_for(device))
     world, rank = dist.get_world_size(), dist.get_rank()
     dist.barrier()
     rates = compute_rates(seconds)
@@ -409,7 +413,9 @@ def calibrate(ranks: tuple[int, ...] = (1, 2, 4), calls: int = 30, seconds: floa
     import torch
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    from utils import device as dev
+
+    gpu = dev.gpu_facts(0)["name"] if dev.cuda_available() else None
     cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, gloo"
     where = f"{gpu}, NCCL" if gpu else cpu
     result: dict[str, Any] = {"name": f"this machine: {where}, torch {torch.__version__}",

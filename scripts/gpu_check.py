@@ -541,9 +541,9 @@ def check_parallel(ctx: Context, gpus: int | None = None) -> dict[str, Any]:
     """The 2-rank layouts against one process, same seed, global batch and precision (bf16, as the
     train_vs_graph check)."""
     if gpus is None:
-        import torch
+        from utils import device as dev
 
-        gpus = torch.cuda.device_count()
+        gpus = dev.gpu_count()
     backend, jobs = parallel_plan(gpus, ctx.args.parallel_jobs)
     reference, why = train_run(ctx, "serial", "train.py", (), 1)
     if reference is None:
@@ -721,9 +721,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "at least 0, --loss_rtol above 0")
     args.parallel_jobs = [n.strip() for n in args.parallel_jobs.split(",") if n.strip()]
     unknown_jobs = set(args.parallel_jobs) - {job[0] for job in PARALLEL_JOBS}
-    if unknown_jobs:
-        p.error(f"unknown layout(s) for --parallel_jobs: {', '.join(sorted(unknown_jobs))}; choose from "
-                f"{', '.join(job[0] for job in PARALLEL_JOBS)}")
+    if unknown_jobs or not args.parallel_jobs:
+        what = f"unknown layout(s) {', '.join(sorted(unknown_jobs))}" if unknown_jobs else "no layout"
+        p.error(f"{what} for --parallel_jobs; choose from {', '.join(job[0] for job in PARALLEL_JOBS)} "
+                f"(or --skip parallel)")
     if args.samples_per_year < args.batch + 2:
         p.error(f"--samples_per_year must be at least --batch + 2 ({args.batch + 2}): one batch of "
                 f"(t, t + 1) pairs")

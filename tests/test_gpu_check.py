@@ -301,8 +301,9 @@ def test_parallel_plan_uses_nccl_from_two_gpus_and_gloo_on_one():
     backend, jobs = gc.parallel_plan(1, names)
     assert backend == "gloo" and all(flags[-2:] == ("--dist_backend", "gloo") for _, _, flags, _ in jobs)
     assert [n for n, _, _, skip in jobs if skip] == ["pp2"]  # gloo sends no GPU tensors
-    with pytest.raises(SystemExit):
-        gc.parse_args(["--parallel_jobs", "ddp,zero3"])
+    for bad in ("ddp,zero3", ","):
+        with pytest.raises(SystemExit):
+            gc.parse_args(["--parallel_jobs", bad])
 
 
 @pytest.mark.slow

@@ -24,6 +24,11 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def gpu_count() -> int:
+    """Visible CUDA GPUs (0 without CUDA)."""
+    return torch.cuda.device_count() if cuda_available() else 0
+
+
 def slurm_task(environ: dict[str, str] | None = None) -> bool:
     """Whether this process is a task of an srun step (not a rank that torchrun started inside
     one): Slurm then gives it CPUs (and, with --gpus-per-task, a GPU) of its own."""
