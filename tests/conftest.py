@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -76,14 +81,51 @@ def cfg_factory(data_dir, tmp_path):
     return factory
 
 
-def subprocess_env(gpus: bool = False, **extra: str) -> dict[str, str]:
+def subprocess_env(gpus: bool = False, fast_start: bool = True, **extra: str) -> dict[str, str]:
     """Environment for running the project's scripts in a child process. Without ``gpus`` the
-    GPUs are hidden: the CPU tests start several ranks, which must not share one GPU."""
+    GPUs are hidden: the CPU tests start several ranks, which must not share one GPU. With
+    ``fast_start`` the project's scripts, torchrun and its ranks start as forks of a server that
+    has imported torch (tests/fast_start/server.py); without it, as new interpreters (for tests
+    of what an interpreter does as it starts, or of processes under a real Slurm)."""
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("SLURM_")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in launcher and not k.startswith(("SLURM_", "FAST_START_"))}
     # PYTHON: the submit scripts' interpreter outside a container; this one, so that the suite run
     # with another torch (make test-compat) tests that torch there too
-    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}, **extra)
+    env.update({"PYTHONPATH": f"{REPO}{os.pathsep}{FAST_START}", "OMP_NUM_THREADS": "1",
+                "PYTHON": sys.executable}, **extra)
     if not gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if fast_start:  # extra may name another socket or root (tests/test_fast_start.py)
+        env.setdefault("FAST_START_ROOT", str(REPO))
+        if "FAST_START_SOCKET" not in extra:
+            env["FAST_START_SOCKET"] = fast_start_server()
     return env
+
+
+FAST_START = REPO / "tests" / "fast_start"
+_server: list = []  # this test process's fork server: [process, socket path]
+
+
+def fast_start_server() -> str:
+    """The socket of this test process's fork server, started on first use (it imports torch
+    and the project once, in about as long as one new interpreter takes)."""
+    if not _server:
+        folder = tempfile.mkdtemp(prefix="fast-start-")
+        path = os.path.join(folder, "socket")
+        env = subprocess_env(fast_start=False)
+        env.pop("OMP_NUM_THREADS")  # the server learns torch's own default; each child sets its own
+        proc = subprocess.Popen([sys.executable, str(FAST_START / "server.py"), path], env=env, cwd=REPO,
+                                stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        atexit.register(_stop_server, proc, folder)
+        _server.extend([proc, path])
+    return _server[1]
+
+
+def _stop_server(proc: subprocess.Popen, folder: str) -> None:
+    proc.terminate()
+    proc.wait(10)
+    shutil.rmtree(folder, ignore_errors=True)

@@ -30,7 +30,6 @@ import pytest
 from scripts.code_ranges import CODE_RANGE, span
 from scripts.make_synthetic_era5 import generate
 from tests.conftest import REPO, subprocess_env
-from tests.forked import run_script
 from utils.config import DEFAULT_YAML, available_configs, load_config
 
 README = REPO / "README.md"
@@ -169,16 +168,13 @@ class Runner:
         return [str(self.tmp / w) if w.startswith("logs/") else w for w in words]
 
     def run(self, words: list[str], env: dict[str, str], timeout: float = 240) -> str:
-        """The command, in a new process; `python SCRIPT ...` forked from a server that has
-        imported torch already (tests/forked.py: 2.5 s of CPU saved per command)."""
+        """The command, in a new process (`python SCRIPT`, torchrun and its ranks forked from a
+        server that has imported torch: tests/fast_start/server.py)."""
         start = time.monotonic()
-        if words[0] == sys.executable and words[1].endswith(".py"):
-            result = run_script(words[1:], subprocess_env(**env), REPO, timeout)
-        else:
-            result = subprocess.run(words, cwd=REPO, env=subprocess_env(**env), capture_output=True,
-                                    text=True, timeout=timeout)
+        result = subprocess.run(words, cwd=REPO, env=subprocess_env(**env), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, timeout=timeout)
         self.seconds.append((time.monotonic() - start, " ".join(words)))
-        assert result.returncode == 0, (words, result.stdout[-2000:], result.stderr[-3000:])
+        assert result.returncode == 0, (words, result.stdout[-5000:])
         return result.stdout
 
     def train_overrides(self, config: str) -> list[str]:

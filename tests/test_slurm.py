@@ -48,7 +48,7 @@ def test_yaml(tmp_path_factory) -> Path:
 def submit(slurm: SlurmCluster, script: str, args: list[str], tmp_path: Path, options=(), **env) -> str:
     """sbatch from the repository's top folder (as users do), job output into tmp_path."""
     return slurm.sbatch(REPO / script, args, ["-o", f"{tmp_path}/%x-%j.out", *options], cwd=REPO,
-                        env=subprocess_env(**env))
+                        env=subprocess_env(fast_start=False, **env))
 
 
 def job_output(tmp_path: Path, job: str) -> str:
@@ -122,7 +122,7 @@ def test_srun_gives_its_tasks_the_steps_gpus_whatever_the_batch_script_exported(
                       "srun bash -c 'echo all $SLURM_LOCALID $CUDA_VISIBLE_DEVICES'\n"
                       "srun --gpus-per-task=1 bash -c 'echo own $SLURM_LOCALID $CUDA_VISIBLE_DEVICES'\n")
     options = ["-n", "2", "-c", "2", "--gpus-per-node", "4", "-o", f"{tmp_path}/%x-%j.out"]
-    job = slurm.sbatch(script, [], options, cwd=tmp_path, env=subprocess_env(gpus=True))
+    job = slurm.sbatch(script, [], options, cwd=tmp_path, env=subprocess_env(gpus=True, fast_start=False))
     info = slurm.wait(job, JOB_TIMEOUT)
     out = job_output(tmp_path, job)
     assert info["JobState"] == "COMPLETED", out
