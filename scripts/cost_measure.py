@@ -208,14 +208,13 @@ def measure_layout(name: str, ranks: int, flags: list[str], out: Path, config: s
                    yaml_config: str | None = None, steps: int = 10) -> list[dict[str, Any]]:
     """Train ``config`` in the layout ``flags`` on ``ranks`` ranks for ``steps`` steps; every
     rank's record (see the module's docstring)."""
-    from scripts.workers import run_worker
+    from scripts.workers import run_worker, worker_env
 
     flags = [f"--config={config}", f"--run_num={name}", f"--expdir={out}", f"--num_iters={steps}",
              "--checkpoint_every=0", "--limit_nsamples_val=8", "--model_parallel", *flags]
     if yaml_config:
         flags.insert(0, f"--yaml_config={yaml_config}")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    run_worker(__file__, ranks, flags, env)
+    run_worker(__file__, ranks, flags, worker_env())
     run_dir = next((out / config).glob(f"*/{name}"))
     return json.loads((run_dir / RECORD_FILE).read_text())
 
@@ -412,8 +411,10 @@ def calibrate(ranks: tuple[int, ...] = (1, 2, 4), calls: int = 30, seconds: floa
 
     import torch
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    from scripts.workers import worker_env
     from utils import device as dev
+
+    env = worker_env()
 
     gpu = dev.gpu_facts(0)["name"] if dev.cuda_available() else None
     cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, gloo"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.workers import worker_env  # noqa: E402
 from utils.config import DEFAULT_YAML  # noqa: E402
 
 # (label, train.py flags): the project's layouts, then DeepSpeed's stages and offload
@@ -51,8 +51,7 @@ def measure(args: argparse.Namespace, label: str, flags: list[str]) -> dict[str,
            "--limit_nsamples_val=8", "--checkpoint_every=0", *flags, *args.flags]
     # a fixed mmap threshold: glibc otherwise moves it as the process frees large blocks, and
     # the peak resident memory of the same run would vary from one run to the next
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = worker_env(MALLOC_MMAP_THRESHOLD_=str(1 << 20))
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"error: {' '.join(cmd)} failed:\n{result.stderr[-2000:]}")

@@ -41,6 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.workers import worker_env  # noqa: E402
+
 CASES = ("skip", "shape")
 STEPS = 3
 
@@ -118,7 +120,7 @@ def run_case(case: str, timeout: float, diagnose: bool) -> tuple[str, float]:
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False,  # noqa: F841
                            timeout=datetime.timedelta(seconds=30))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = worker_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("TORCH_DISTRIBUTED_DEBUG", None)
     if diagnose:
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"  # read when torch starts: set before the ranks do

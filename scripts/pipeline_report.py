@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.workers import run_worker  # noqa: E402
+from scripts.workers import run_worker, worker_env  # noqa: E402
 from utils.config_checks import INTERLEAVED  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -99,8 +98,7 @@ def measure(args: argparse.Namespace, schedule: str, p: int, m: int) -> dict[str
              f"--pipeline_schedule={schedule}", f"--num_microbatches={m}",
              f"--stages_per_rank={args.stages_per_rank}", "--limit_nsamples_val=8",
              f"--limit_nsamples={args.batch * args.steps}", *args.flags]
-    run_worker(__file__, p, flags, {**os.environ, "PYTHONPATH": str(REPO),
-                                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    run_worker(__file__, p, flags, worker_env())
     run_dir = next((args.out / "runs" / args.config).glob(f"*/{name}"))
     ranks = [json.loads((run_dir / RECORD_FILE.format(rank=r)).read_text()) for r in range(p)]
     last = [r["steps"][-1] for r in ranks]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.workers import run_worker  # noqa: E402
+from scripts.workers import run_worker, worker_env  # noqa: E402
 
 MODES = ("ddp", "zero1", "fsdp")
 COMM_FILE = "comm.json"
@@ -122,9 +121,7 @@ def measure(args: argparse.Namespace, mode: str, ranks: int, checkpointing: str 
              f"--limit_nsamples={args.batch * args.steps}", *args.flags]
     # a fixed mmap threshold: glibc otherwise moves it as the process frees large blocks, and
     # the peak resident memory of the same run would vary from one run to the next
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    run_worker(__file__, ranks, flags, env)
+    run_worker(__file__, ranks, flags, worker_env(MALLOC_MMAP_THRESHOLD_=str(1 << 20)))
     run_dir = next((args.out / "runs" / args.config).glob(f"*/{name}"))
     m = last_metrics(run_dir)
     comm = json.loads((run_dir / COMM_FILE).read_text()) if (run_dir / COMM_FILE).is_file() else {}

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """This process's environment for the ranks a script starts: the repository first on the
+    module path (before what the caller's PYTHONPATH had, which stays), one thread per rank
+    unless OMP_NUM_THREADS says otherwise, and ``extra``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
 
 
 def run_worker(script: str, ranks: int, flags: list[str], env: dict[str, str]) -> None:

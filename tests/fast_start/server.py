@@ -46,14 +46,17 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.lau
            "distributed.parallelize", "distributed.layers", "distributed.pipeline", "distributed.experts",
            "distributed.sharding", "distributed.consolidate"]
 
-# environment variables read when Python or torch start: a request that sets them otherwise than
-# this server had them starts as usual
-STARTUP_PREFIXES = ("PYTHON", "TORCH_LOGS", "TORCHDYNAMO", "TORCH_COMPILE", "PYTORCH_JIT", "LD_PRELOAD")
+# environment variables read as a process, Python, torch or its thread pools start (glibc's
+# MALLOC_* tunables, TORCH_DISTRIBUTED_DEBUG, TORCH_LOGS, ...): a request that sets them otherwise
+# than this server had them starts as usual. Those a launcher sets for its ranks, read later, and
+# those a child sets for itself (below) do not count.
+STARTUP_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "LD_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_")
+RUNTIME = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TORCHELASTIC_", "TORCH_NCCL_")
 HEADER = struct.Struct("!I")  # the request's length, sent with the three standard streams
 
 
 def startup_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and k != "PYTHONUNBUFFERED"}
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and not k.startswith(RUNTIME)}
 
 
 class Server:

@@ -11,7 +11,7 @@ signal. Anything else, or a refusal, or no server: the interpreter goes on as us
 
 import os
 
-MODULES = ("torch.distributed.run",)
+MODULES = ("torch.distributed.run", "deepspeed.launcher.runner", "deepspeed.launcher.launch")
 RELAYED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGCONT")
 
 
