@@ -29,6 +29,16 @@ TEST_IMG = (16, 32)
 TEST_SAMPLES_PER_YEAR = 40
 
 
+def pytest_configure(config):
+    """Every interpreter this test process starts, with whatever environment a test or a script
+    gives it, starts from the fork server (tests/fast_start/); not in pytest-xdist's controller,
+    which runs no tests."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        path = [p for p in (os.environ.get("PYTHONPATH"), str(FAST_START)) if p]
+        os.environ.update(FAST_START_SOCKET=fast_start_server(), FAST_START_ROOT=str(REPO),
+                          PYTHONPATH=os.pathsep.join(path))
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-xdist has added its group names to the node ids
 def pytest_collection_modifyitems(config, items):
     check_xdist_groups(config, items)

@@ -56,7 +56,11 @@ HEADER = struct.Struct("!I")  # the request's length, sent with the three standa
 
 
 def startup_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and not k.startswith(RUNTIME)}
+    found = {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and not k.startswith(RUNTIME)}
+    if "PYTHONPATH" in found:  # the same folders in the same order make the same module path
+        folders = [p for p in found["PYTHONPATH"].split(os.pathsep) if p]
+        found["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(folders))
+    return found
 
 
 class Server:
