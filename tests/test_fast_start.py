@@ -5,7 +5,6 @@ stand-in is killed."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
