@@ -15,7 +15,8 @@ from tests.conftest import subprocess_env
 
 SCRIPT = """
 import os, signal, sys, time
-print("preloaded" if "torch" in sys.modules else "new interpreter", flush=True)
+print("preloaded" if "torch" in sys.modules else "new interpreter", os.environ.get("FAST_START_REFUSED", ""),
+      flush=True)
 print("argv", sys.argv[1:], "cwd", os.getcwd(), "env", os.environ.get("FAST_START_TEST"), flush=True)
 torch = sys.modules.get("torch")  # a new interpreter does not import it: 3 s saved per run here
 print("path0", sys.path[0], "threads", torch.get_num_threads() if torch else None, flush=True)
@@ -61,10 +62,12 @@ def wait_for_pid(path: Path, proc: subprocess.Popen) -> int:
 
 
 def test_a_command_runs_forked_as_a_new_interpreter_would(tmp_path):
-    result = run(tmp_path, "exit", "3")
+    # a test process that has compiled has TORCHINDUCTOR_CACHE_DIR set (torch sets it), read only
+    # when a process compiles: its commands are forked all the same
+    result = run(tmp_path, "exit", "3", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     assert result.returncode == 3, result
     assert result.stdout.splitlines() == [
-        "preloaded", f"argv ['exit', '3'] cwd {tmp_path} env yes", f"path0 {tmp_path} threads 1"]
+        "preloaded ", f"argv ['exit', '3'] cwd {tmp_path} env yes", f"path0 {tmp_path} threads 1"]
     assert result.stderr == "to stderr\n"
     raised = run(tmp_path, "raise")
     assert raised.returncode == 1 and raised.stderr.rstrip().endswith("ValueError: a bad value"), raised

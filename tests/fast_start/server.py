@@ -48,10 +48,13 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.lau
 
 # environment variables read as a process, Python, torch or its thread pools start (glibc's
 # MALLOC_* tunables, TORCH_DISTRIBUTED_DEBUG, TORCH_LOGS, ...): a request that sets them otherwise
-# than this server had them starts as usual. Those a launcher sets for its ranks, read later, and
-# those a child sets for itself (below) do not count.
+# than this server had them starts as usual. Those a launcher sets for its ranks, read later, those
+# a child sets for itself (below), and the compiler's cache folders, read when it compiles (torch
+# sets TORCHINDUCTOR_CACHE_DIR in the environment of a process that has compiled: a test process
+# that has would otherwise find every later command refused), do not count.
 STARTUP_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "LD_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_")
-RUNTIME = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TORCHELASTIC_", "TORCH_NCCL_")
+RUNTIME = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_CACHE_DIR",
+           "TRITON_CACHE_DIR")
 HEADER = struct.Struct("!I")  # the request's length, sent with the three standard streams
 
 
@@ -99,8 +102,10 @@ class Server:
     def refusal(self, request: dict) -> str | None:
         if request["executable"] != sys.executable:
             return f"another interpreter ({request['executable']})"
-        if startup_env(request["env"]) != self.env:
-            return "environment variables read at start-up differ"
+        wanted = startup_env(request["env"])
+        if wanted != self.env:
+            differ = sorted(k for k in {*wanted, *self.env} if wanted.get(k) != self.env.get(k))
+            return f"variables read at start-up differ: {', '.join(differ)}"
         return None
 
     def wait_for(self, conn: socket.socket) -> int:

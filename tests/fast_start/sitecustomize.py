@@ -65,6 +65,7 @@ def _hand_over(path: str, root: str) -> None:
     first = replies.readline().split(" ", 1)
     if first[0] != "pid":  # refused ("no REASON") or the server broke: start as usual
         conn.close()
+        os.environ["FAST_START_REFUSED"] = first[-1].strip() or "no reply"  # for a test to show
         signal.pthread_sigmask(signal.SIG_UNBLOCK, relayed)
         return
     pid = int(first[1])
