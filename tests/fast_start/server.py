@@ -1,6 +1,6 @@
 """A fork server for the interpreters the suite starts: each `python SCRIPT` (a project script),
-`python -m torch.distributed.run` and every rank torchrun starts is a fork of this process,
-which has imported torch, its compiler front end and the project once.
+`python -m torch.distributed.run` (and DeepSpeed's launcher) and every rank they start is a fork
+of this process, which has imported torch, its compiler front end and the project once.
 
 Why: on a 2-core machine a new interpreter spends 3 to 7 s of CPU importing torch and
 torch._dynamo (every optimizer's constructor imports it) before a script does anything; the

@@ -2,7 +2,8 @@
 folder on PYTHONPATH (Python imports `sitecustomize` as it starts, before the script).
 
 With FAST_START_SOCKET set, an interpreter about to run a project script (a `.py` file under
-FAST_START_ROOT) or `-m torch.distributed.run` hands its command to the server, which runs it in
+FAST_START_ROOT), `-m torch.distributed.run` or DeepSpeed's launcher (MODULES) hands its
+command to the server, which runs it in
 a process forked from one that has imported torch already. This interpreter stays as the
 command's stand-in for whoever started it (torchrun, a test, a shell): it relays the signals it
 gets to the command's session and ends as the command ends, with its exit status or by its
