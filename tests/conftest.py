@@ -121,7 +121,9 @@ def fast_start_server() -> str:
     """The socket of this test process's fork server, started on first use (it imports torch
     and the project once, in about as long as one new interpreter takes)."""
     if not _server:
-        folder = tempfile.mkdtemp(prefix="fast-start-")
+        # a Unix socket's path has at most 107 bytes: a long TMPDIR gives way to /tmp
+        short = None if len(tempfile.gettempdir()) <= 60 else "/tmp"
+        folder = tempfile.mkdtemp(prefix="fast-start-", dir=short)
         path = os.path.join(folder, "socket")
         env = subprocess_env(fast_start=False)
         env.pop("OMP_NUM_THREADS")  # the server learns torch's own default; each child sets its own
