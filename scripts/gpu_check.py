@@ -130,10 +130,11 @@ def run_plan(plan: list[tuple[str, Callable[[Context], dict[str, Any]]]], ctx: C
 def child_env() -> dict[str, str]:
     """This environment for the project's scripts: no launcher variables (a child must not think
     it is one rank of many), the repository on the path before whatever the python needs."""
+    from scripts.workers import with_repo_on_path
+
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return with_repo_on_path(env)
 
 
 def run_logged(cmd: list[str], log_path: Path, timeout: float) -> int | None:

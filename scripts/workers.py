@@ -10,12 +10,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def with_repo_on_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the repository first on PYTHONPATH, before the caller's folders, which stay."""
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def worker_env(**extra: str) -> dict[str, str]:
     """This process's environment for the ranks a script starts: the repository first on the
-    module path (before what the caller's PYTHONPATH had, which stays), one thread per rank
-    unless OMP_NUM_THREADS says otherwise, and ``extra``."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    module path, one thread per rank unless OMP_NUM_THREADS says otherwise, and ``extra``."""
+    env = with_repo_on_path(dict(os.environ))
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env

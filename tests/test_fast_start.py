@@ -5,6 +5,7 @@ stand-in is killed."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -111,3 +112,20 @@ def status_of(pid: int) -> str:
 def test_without_the_server_a_command_starts_as_usual(tmp_path):
     result = run(tmp_path, "exit", "0", FAST_START_SOCKET=str(tmp_path / "no-server"))
     assert result.returncode == 0 and result.stdout.startswith("new interpreter"), result
+
+
+def test_torchruns_ranks_are_forked_and_scripts_keep_the_callers_path(tmp_path, monkeypatch):
+    """Both ranks torchrun starts come from the server; the scripts that start ranks keep the
+    caller's PYTHONPATH after the repository's (it is how their ranks reach the server)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = subprocess.run([*torchrun, str(write_script(tmp_path)), "exit", "0"], cwd=tmp_path,
+                            env=env_for(tmp_path), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("preloaded ") == 2, result.stdout
+    from scripts.workers import REPO, worker_env
+
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    env = worker_env(MALLOC_ARENA_MAX="2")
+    assert env["PYTHONPATH"] == f"{REPO}{os.pathsep}/elsewhere"
+    assert env["OMP_NUM_THREADS"] == "1" and env["MALLOC_ARENA_MAX"] == "2"
