@@ -201,7 +201,11 @@ class ViT(nn.Module):
         # A pipeline stage (distributed/pipeline.py) has only some of the parts: without the
         # patch embedding it receives tokens (B, N, D); without the head it returns them.
         if self.patch_embed is not None:
-            x = self.pos_drop(self.patch_embed(x) + self.pos_embed)  # (B, N, D), every token
+            # (B, N, D), every token. The patch embedding's transpose leaves the tokens strided as
+            # (B, D, N); they are copied into (B, N, D) order here because torch.compile'd blocks
+            # under bf16 autocast gave NaN for that strided input on some Intel AMX CPUs (torch
+            # 2.13 and 2.15; scripts/compile_bf16_check.py shows it on a CPU)
+            x = self.pos_drop((self.patch_embed(x) + self.pos_embed).contiguous())
             x = self.seq_split(x)  # context parallel: (B, n, D), this rank's tokens
         for block in self.blocks.values():
             x = block(x)

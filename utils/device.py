@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -323,9 +324,33 @@ def environment_summary(device: torch.device) -> str:
         parts += [f"CUDA {torch.version.cuda}", f"NCCL {nccl}",
                   f"{torch.cuda.device_count()} GPU(s): {', '.join(names)}"]
     else:
-        parts.append(f"CPU only, {torch.get_num_threads()} threads")
+        parts.append(f"CPU only: {cpu_description()}, {torch.get_num_threads()} threads")
     parts.append(f"DALI {dali_version() or 'not installed'}")
     return "; ".join(parts)
+
+
+# the widest matrix instructions a CPU has, as /proc/cpuinfo names them, widest first: what decides
+# how fast its bf16 matmuls are (without bf16 instructions torch computes them in generic code)
+INSTRUCTION_SETS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"),
+                    ("avx2", "AVX2"))
+
+
+def cpu_description(cpuinfo: str | None = None) -> str:
+    """'Intel(R) Xeon(R) Processor, AMX': the CPU's model and its widest matrix instructions (Linux;
+    elsewhere the platform's processor name), for every measured number's label."""
+    import platform
+
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                  if line.startswith("model name")), None) or platform.processor() or platform.machine()
+    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                      if line.startswith("flags")), []))
+    isa = next((name for flag, name in INSTRUCTION_SETS if flag in flags), None)
+    return f"{model}, {isa}" if isa else model
 
 
 def dali_version() -> str | None:
