@@ -21,7 +21,6 @@ from utils.compat import require_supported_torch
 require_supported_torch()  # before anything that needs a newer torch is imported
 
 from training.launcher import main  # noqa: E402
-from training.trainer import Trainer  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(Trainer, description=__doc__.split("\n\n")[0], model_parallel=True))
+    sys.exit(main(description=__doc__.split("\n\n")[0], model_parallel=True))

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed.mesh import ParallelMesh
-from distributed.sharding import is_sharded, local
+from distributed.shards import is_sharded, local
 from distributed.tags import spec
 
 

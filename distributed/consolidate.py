@@ -8,15 +8,15 @@ state is spread over the dp ranks (distributed/sharding.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from distributed.mesh import ParallelMesh
-from distributed.sharding import full, like, local_optimizer
+from distributed.shards import full, like, local_optimizer
 from distributed.tags import ParamSpec, spec
+from utils.checkpoint import check_names
 
 
 def take_shard(full: torch.Tensor, p_spec: ParamSpec, mesh: ParallelMesh) -> torch.Tensor:
@@ -43,16 +43,6 @@ def gather_full(t: torch.Tensor, p_spec: ParamSpec, mesh: ParallelMesh,
     sizes = [t.shape[p_spec.shard_dim]] * tp
     return mappings.all_gather_along(t.detach().to(device or t.device), p_spec.shard_dim,
                                      mesh.group("tp"), sizes)
-
-
-def check_names(expected: Iterable[str], state: dict[str, torch.Tensor]) -> None:
-    """A consolidated state must hold exactly the serial model's parameters."""
-    expected = set(expected)
-    missing = sorted(expected - set(state))
-    unexpected = sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit this model (missing {missing[:3]}, "
-                         f"unexpected {unexpected[:3]}); was it written for another model size?")
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from distributed.mesh import ParallelMesh
-from distributed.sharding import is_sharded, local
+from distributed.shards import is_sharded, local
 from distributed.tags import spec
 
 # (parameters, this rank's parts of one tensor per parameter) -> the squared 2-norm of each whole tensor

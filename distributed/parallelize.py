@@ -39,7 +39,8 @@ from torch.utils.checkpoint import checkpoint
 
 from distributed.consolidate import take_shard
 from distributed.mesh import ParallelMesh
-from distributed.sharding import apply_fsdp, fsdp_active, is_sharded, local, shard_of
+from distributed.sharding import apply_fsdp, fsdp_active
+from distributed.shards import is_sharded, local, shard_of
 from distributed.tags import spec, tag_model, wrap_data_parallel
 from networks.vit import ViT
 from utils.config import Config

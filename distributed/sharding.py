@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,54 +34,6 @@ from utils import device as dev
 from utils.config import Config
 
 log = logging.getLogger(__name__)
-
-
-def is_sharded(t: Any) -> bool:
-    """Whether ``t`` is a DTensor (an FSDP parameter or one of its optimizer states). A DTensor
-    exists only once ``torch.distributed.tensor`` is imported (FSDP does it), so a run without
-    FSDP never pays the 0.7 s that importing it takes in every process."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, module.DTensor)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` stored on this rank (an FSDP parameter's shard, else ``t``)."""
-    return t.to_local() if is_sharded(t) else t
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole of ``t`` (collective over the ranks that shard it, else ``t`` itself)."""
-    return t.full_tensor() if is_sharded(t) else t
-
-
-def shard_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of a whole tensor ``value`` laid out like ``param`` (no communication):
-    for each mesh dimension that shards ``param``, the chunk of this rank's coordinate, split as
-    DTensor's ``Shard`` splits (``torch.chunk``: the last ranks may get less, or nothing)."""
-    if not is_sharded(param):
-        return value
-    from torch.distributed.tensor import Shard
-
-    coordinate = param.device_mesh.get_coordinate()
-    for i, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
-            chunks = value.chunk(param.device_mesh.size(i), dim=placement.dim)
-            value = (chunks[coordinate[i]] if coordinate[i] < len(chunks)
-                     else value.narrow(placement.dim, 0, 0))
-    if value.shape != param.to_local().shape:
-        raise RuntimeError(f"slice {tuple(value.shape)} does not fit the local shard "
-                           f"{tuple(param.to_local().shape)}")
-    return value
-
-
-def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """A whole tensor laid out like ``param``: sharded the same way when ``param`` is sharded
-    (every rank holds ``value`` and keeps its own slice)."""
-    if not is_sharded(param):
-        return value
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
 
 
 def fsdp_active(cfg: Config, mesh: ParallelMesh) -> bool:
@@ -142,37 +93,22 @@ def hsdp_mesh(mesh: ParallelMesh, cfg: Config) -> Any:
     return DeviceMesh(mesh.device_mesh.device_type, ranks, mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
-def build_optimizer(model: nn.Module, cfg: Config, mesh: ParallelMesh,
-                    kernel: dict[str, bool]) -> torch.optim.Optimizer:
-    """The optimizer ``cfg.optimizer_type`` names; under zero1 wrapped so that each dp rank keeps the
-    state of its share only. ``kernel``: Adam's and AdamW's implementation (fused or foreach)."""
-    name = cfg.optimizer_type
-    if name == "LAMB":  # written in the project: its per-tensor norms must span the ranks' parts
-        from distributed.lamb import Lamb, local_sum_squares, split_sum_squares
+def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], options: dict[str, Any],
+                    cfg: Config, mesh: ParallelMesh) -> torch.optim.Optimizer:
+    """The optimizer (class and settings from training/trainer.py:optimizer_choice) for this rank's
+    part of the model: under zero1 wrapped so that each dp rank keeps the state of its share only;
+    LAMB's per-tensor norms summed over the ranks that split a tensor (tp slices, FSDP shards)."""
+    from distributed.lamb import Lamb, local_sum_squares, split_sum_squares
 
+    if optimizer_class is Lamb:
         whole = mesh.size("tp") == 1 and not fsdp_active(cfg, mesh)  # ZeRO-1 steps whole tensors
-        optimizer_class = Lamb
-        options = {"lr": cfg.lr, "betas": cfg.adam_betas, "weight_decay": cfg.weight_decay,
-                   "sum_squares": local_sum_squares if whole else split_sum_squares(mesh)}
-    elif name == "SGD":
-        optimizer_class = torch.optim.SGD
-        options = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay, **kernel}
-    else:
-        optimizer_class = torch.optim.AdamW if name == "AdamW" else torch.optim.Adam
-        options = {"lr": cfg.lr, "betas": cfg.adam_betas, **kernel}
-        if name == "AdamW":
-            options["weight_decay"] = cfg.weight_decay
+        options = {**options, "sum_squares": local_sum_squares if whole else split_sum_squares(mesh)}
     if zero1_active(cfg, mesh):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class,
                                        process_group=mesh.dp_group, **options)
     return optimizer_class(model.parameters(), **options)
-
-
-def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds this rank's state (ZeRO's inner one)."""
-    return getattr(optimizer, "optim", optimizer)
 
 
 @contextlib.contextmanager

@@ -154,9 +154,10 @@ class ViT(nn.Module):
         self.seq_gather = nn.Identity()
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Every parameter to its initial value (``initial_values``, drawn from ``generator``)."""
         with torch.no_grad():
-            for name, value in self.initial_values():
+            for name, value in self.initial_values(generator):
                 self.get_parameter(name).copy_(value)
 
     def initial_values(self, generator: torch.Generator | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,10 +11,11 @@ Every rung trains with the project's Trainer (its train_epoch and train_step, no
 re-implemented) for ``--warmup`` + ``--steps`` steps and reports
 
 * samples/s over the ``--steps`` timed steps (after warm-up: compilation, first batches);
-* the step time split into data wait (timed around the loader) and forward, backward and
-  optimizer (the trainer's own ranges, over ``--profile_steps`` extra steps so the timing's
-  overhead stays out of samples/s): on CPU the CPU time torch.profiler gives those ranges,
-  on CUDA the GPU time between CUDA events recorded at their edges (see EventPhases);
+* the step time split into data wait (between steps: the loader's wait and the loop's work)
+  and forward, backward and optimizer (the trainer's own ranges, over ``--profile_steps``
+  extra steps so the timing's overhead stays out of samples/s): on CPU the CPU time
+  torch.profiler gives those ranges, on CUDA the GPU time between CUDA events recorded at their
+  edges (see EventPhases);
 * peak memory: the CUDA allocator's peak, or on CPU the process's peak resident set
   (VmHWM, reset before each rung);
 * model FLOPs per sample (forward + backward, counted by torch.utils.flop_counter) and
@@ -56,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from networks.vit import build_vit  # noqa: E402
 from training.context import RunContext
-from training.trainer import Trainer  # noqa: E402
+from training.trainer import Callback, EagerStep, Trainer  # noqa: E402
 from utils import attention  # noqa: E402
 from utils import device as dev  # noqa: E402
 from utils.config import ATTENTION_KERNELS, DEFAULT_YAML, Config, load_config, with_overrides  # noqa: E402
@@ -80,47 +81,44 @@ PHASES = ("forward", "backward", "optimizer", "graph replay")
 
 
 # ---------------------------------------------------------------- measuring ---
-class TimedBatches:
-    """Wraps a trainer's loader (the ``Batches`` protocol) and clocks every request.
+class RungClock(Callback):
+    """Clocks a rung's steps from the Trainer's callbacks: the timed window runs from the end of
+    step ``timed_from - 1`` to the end of step ``profile_from - 1`` (device synchronised at both
+    edges), and each timed step's wait is the time between the previous step's end and its start
+    (the loader's wait for the batch, and the loop's own work between steps); from step
+    ``profile_from`` on, ``phases`` break the steps down."""
 
-    Request ``timed_from`` starts the timed window (after a device sync); request
-    ``profile_from`` ends it and starts ``phases`` for the breakdown steps.
-    """
-
-    def __init__(self, inner, device: torch.device, timed_from: int, profile_from: int,
+    def __init__(self, device: torch.device, timed_from: int, profile_from: int,
                  phases: ProfilerPhases | EventPhases) -> None:
-        self.inner, self.device, self.phases = inner, device, phases
-        self.batches_per_epoch = inner.batches_per_epoch
+        self.device, self.phases = device, phases
         self.timed_from, self.profile_from = timed_from, profile_from
-        self.count = 0
-        self.wait = 0.0  # seconds spent waiting for batches inside the timed window
-        self.t_start = self.t_end = None
+        self.count = 0  # steps done
+        self.wait = 0.0  # seconds between steps inside the timed window
+        self.t_start = self.t_end = self.last_end = None
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.inner.set_epoch(epoch, start_batch)
+    def begin(self) -> None:
+        """Before the first step: the window starts here when nothing is warmed up first."""
+        dev.synchronize(self.device)
+        self.last_end = time.perf_counter()
+        if self.timed_from == 0:
+            self.t_start = self.last_end
 
-    def give_back(self, inp: torch.Tensor, tar: torch.Tensor) -> None:
-        self.inner.give_back(inp, tar)
+    def step_start(self, trainer: Trainer) -> None:
+        if self.timed_from <= self.count < self.profile_from:
+            self.wait += time.perf_counter() - self.last_end
+        if self.count == self.profile_from:
+            self.phases.start()
 
-    def __iter__(self):
-        it = iter(self.inner)
-        while True:
+    def step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
+        self.count += 1
+        if self.count in (self.timed_from, self.profile_from):
+            dev.synchronize(self.device)
+            now = time.perf_counter()
             if self.count == self.timed_from:
-                dev.synchronize(self.device)
-                self.t_start = time.perf_counter()
-            if self.count == self.profile_from and self.t_end is None:
-                dev.synchronize(self.device)
-                self.t_end = time.perf_counter()
-                self.phases.start()
-            t0 = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                return
-            if self.timed_from <= self.count < self.profile_from:
-                self.wait += time.perf_counter() - t0
-            self.count += 1
-            yield batch
+                self.t_start = now
+            if self.count == self.profile_from:
+                self.t_end = now
+        self.last_end = time.perf_counter()
 
 
 class ProfilerPhases:
@@ -409,12 +407,12 @@ def rung_configs(base: Config, names: list[str], workers: int, amp: str,
     return out
 
 
-def trainer_class(name: str) -> type[Trainer]:
+def step_class(name: str) -> type[EagerStep]:
     if name != "+graphs":
-        return Trainer
-    from training.graphs import GraphTrainer
+        return EagerStep
+    from training.graphs import GraphStep
 
-    return GraphTrainer
+    return GraphStep
 
 
 def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
@@ -427,15 +425,16 @@ def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
     cfg = with_overrides(cfg, num_iters=total, warmup=0, checkpoint_every=0)
     reset_peak_memory(opts.device)
     run_dir = Path(tempfile.mkdtemp(prefix="rung-", dir=opts.out_dir))
-    trainer = trainer_class(name)(cfg, RunContext(device=opts.device, run_dir=run_dir), batch)
     clock = phase_clock(opts.device)
-    timed = TimedBatches(trainer.train_data, opts.device, opts.warmup, opts.warmup + opts.steps, clock)
-    trainer.train_data = timed
+    timed = RungClock(opts.device, opts.warmup, opts.warmup + opts.steps, clock)
+    trainer = Trainer(cfg, RunContext(device=opts.device, run_dir=run_dir), batch, step=step_class(name),
+                      callbacks=[timed])
     t0 = time.perf_counter()
     trainer.model.train()
+    timed.begin()
     try:
         while trainer.step < total:
-            epoch, start = divmod(trainer.step, timed.batches_per_epoch)
+            epoch, start = divmod(trainer.step, trainer.train_data.batches_per_epoch)
             trainer.train_epoch(epoch, start)
         dev.synchronize(opts.device)
     finally:
@@ -449,7 +448,7 @@ def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
     loader_key = (cfg.data_loader_config, cfg.num_data_workers)
     if loader_key not in loader_cache:
         loader_cache[loader_key] = loader_alone(trainer, opts.loader_batches)
-    close = getattr(trainer.train_data.inner, "close", None)
+    close = getattr(trainer.train_data, "close", None)
     if close:
         close()
     shutil.rmtree(run_dir, ignore_errors=True)  # the rung's run folder: nothing in it is kept

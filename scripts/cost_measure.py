@@ -38,56 +38,10 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from training.trainer import Callback  # noqa: E402
 from utils.profiling import SavedTensorMeter  # noqa: E402
 
 RECORD_FILE = "cost_measure.json"
-
-
-# ------------------------------------------------------------ counting collectives ---
-def count_collectives(counts: dict[str, int], calls: dict[str, int], active: list[bool]) -> None:
-    """Wrap torch.distributed's tensor collectives so that each adds its payload (bytes) to
-    ``counts[kind]`` and one to ``calls[kind]`` while ``active[0]``."""
-    import torch.distributed as dist
-
-    def nbytes(t) -> int:
-        if isinstance(t, (list, tuple)):
-            return sum(nbytes(x) for x in t)
-        return t.numel() * t.element_size()
-
-    def add(kind: str, t) -> None:
-        counts[kind] = counts.get(kind, 0) + nbytes(t)
-        calls[kind] = calls.get(kind, 0) + 1
-
-    def wrap(name: str, kind: str, position: int, keyword: str) -> None:
-        original = getattr(dist, name, None)
-        if original is None:  # FSDP2 calls *_single from torch 2.13 on, *_tensor before
-            return
-
-        def counted(*args, **kwargs):
-            if active[0]:
-                add(kind, kwargs[keyword] if keyword in kwargs else args[position])
-            return original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-
-    # the pipeline schedules' transfers: P2POp(isend or irecv) lists, which torch checks against
-    # (and calls as) the functions of distributed_c10d: both names are wrapped
-    from torch.distributed import distributed_c10d as c10d
-
-    for name, kind in (("isend", "send"), ("irecv", "recv")):
-        wrap(name, kind, 0, "tensor")
-        setattr(c10d, name, getattr(dist, name))
-
-    wrap("all_reduce", "all_reduce", 0, "tensor")
-    wrap("broadcast", "broadcast", 0, "tensor")
-    wrap("all_gather", "all_gather", 0, "tensor_list")
-    wrap("all_gather_into_tensor", "all_gather", 0, "output_tensor")
-    wrap("all_gather_single", "all_gather", 0, "output_tensor")
-    wrap("reduce_scatter_tensor", "reduce_scatter", 1, "input")
-    wrap("reduce_scatter_single", "reduce_scatter", 1, "input")
-    wrap("all_to_all_single", "all_to_all", 1, "input")
-    wrap("send", "send", 0, "tensor")
-    wrap("recv", "recv", 0, "tensor")
 
 
 # ------------------------------------------------------------ activations ---
@@ -107,100 +61,99 @@ class ActivationMeter(SavedTensorMeter):
 
 # ------------------------------------------------------------ the worker (one rank) ---
 def worker(argv: list[str]) -> int:
-    import torch
-    import torch.distributed as dist
-    from torch.utils.flop_counter import FlopCounterMode
-
     from training.launcher import main
-    from training.trainer import Trainer
-    from utils import attention
-    from utils import device as dev
-
-    counts: dict[str, int] = {}
-    calls: dict[str, int] = {}
-    active = [False]
-    count_collectives(counts, calls, active)
-    distributed = dist.is_available() and "WORLD_SIZE" in os.environ
-    flop_step, byte_step = 1, 2  # untimed steps that count FLOPs, and bytes (the counting costs time)
-
-    class MeasuringTrainer(Trainer):
-        def build_model(self):
-            model = super().build_model()
-            self.record: dict[str, Any] = {"seconds": [], "flops": 0, "saved_peak_bytes": 0}
-            if hasattr(model, "register_comm_hook"):  # DDP: its all-reduce runs in C++, hook it
-                group = self.ctx.dp_group
-
-                def hook(state, bucket):  # the average of a bucket, by the (counted) all-reduce
-                    buf = bucket.buffer()
-                    buf.div_(dist.get_world_size(group))
-                    work = dist.all_reduce(buf, group=group, async_op=True)
-                    return work.get_future().then(lambda fut: fut.value()[0])
-
-                # where the project has its own hook (experts, cp, compression) DDP refuses a second:
-                # that hook calls torch.distributed's collectives, which are counted
-                with contextlib.suppress(RuntimeError):
-                    model.register_comm_hook(None, hook)
-            return model
-
-        def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-            index = len(self.record["seconds"])
-            if index == flop_step:
-                # attention by the math kernel in this step: FlopCounterMode counts its matmuls
-                # (it does not know the CPU's fused attention kernel and would count 0); around the
-                # whole step too: activation checkpointing recomputes attention in backward
-                kernel, self.attention_kernel = self.attention_kernel, "math"
-                with FlopCounterMode(display=False) as flops, attention.kernel("math"):
-                    loss = super().train_step(inp, tar)
-                self.attention_kernel = kernel
-                by_op = {str(op): n for op, n in flops.get_flop_counts()["Global"].items()}
-                self.record.update(flops=flops.get_total_flops(), flops_by_op=by_op)
-                self.record["seconds"].append(None)
-                return loss
-            if index == byte_step:
-                meter = ActivationMeter()
-                counts.clear()
-                calls.clear()
-                active[0] = True
-                with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                    loss = super().train_step(inp, tar)
-                active[0] = False
-                self.record.update(saved_peak_bytes=meter.peak, comm_bytes=dict(counts),
-                                   comm_calls=dict(calls), held=self.held_now(),
-                                   pp_rank=self.ctx.mesh.rank_in("pp"), dp_rank=self.ctx.mesh.rank_in("dp"))
-                self.record["seconds"].append(None)
-                return loss
-            if distributed:
-                dist.barrier()  # the ranks start the step together
-            dev.synchronize(self.device)
-            start = time.perf_counter()
-            loss = super().train_step(inp, tar)
-            dev.synchronize(self.device)
-            self.record["seconds"].append(time.perf_counter() - start)
-            return loss
-
-        def held_now(self) -> dict[str, int]:
-            from distributed.sharding import local
-
-            held = self.held_bytes()
-            if "step_gradients" not in held:  # the gradients a step holds (zero_grad frees them after)
-                held["step_gradients"] = sum(local(p).numel() * local(p).element_size()
-                                             for p in self.model.parameters() if p.requires_grad)
-            return held
-
-        def fit(self):
-            result = super().fit()
-            records = [{"rank": self.ctx.rank, **self.record}]
-            if distributed:
-                records = [None] * dist.get_world_size()
-                dist.all_gather_object(records, {"rank": self.ctx.rank, **self.record})
-            if self.ctx.is_main:
-                (self.ctx.run_dir / RECORD_FILE).write_text(json.dumps(records))
-            return result
 
     model_parallel = "--model_parallel" in argv
     argv = [a for a in argv if a != "--model_parallel"]
-    return main(MeasuringTrainer, argv, description="a training run measuring its costs",
-                model_parallel=model_parallel)
+    return main(argv=argv, description="a training run measuring its costs", model_parallel=model_parallel,
+                callbacks=[CostMeter()])
+
+
+class CostMeter(Callback):
+    """The measurements of a layout's run (a callback of training/trainer.py's Trainer): step
+    ``FLOP_STEP`` counts FLOPs, step ``BYTE_STEP`` bytes (collectives, saved activations, what
+    the rank holds), every later step is timed; at the end rank 0 writes every rank's record."""
+
+    FLOP_STEP, BYTE_STEP = 1, 2  # untimed steps: counting costs time
+
+    def __init__(self) -> None:
+        from scripts.instruments import CollectiveCounter
+
+        self.collectives = CollectiveCounter().install()
+        self.record: dict[str, Any] = {"seconds": [], "flops": 0, "saved_peak_bytes": 0}
+        self.stack = contextlib.ExitStack()
+
+    def model_built(self, trainer: Any) -> None:
+        from scripts.instruments import count_ddp_gradients
+
+        count_ddp_gradients(trainer.model, trainer.ctx.dp_group)
+
+    def step_start(self, trainer: Any) -> None:
+        import torch.distributed as dist
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from utils import attention
+        from utils import device as dev
+
+        index = len(self.record["seconds"])
+        if index == self.FLOP_STEP:
+            # attention by the math kernel in this step: FlopCounterMode counts its matmuls (it does
+            # not know the CPU's fused attention kernel and would count 0); around the whole step
+            # too: activation checkpointing recomputes attention in backward
+            kernel, trainer.attention_kernel = trainer.attention_kernel, "math"
+            self.stack.callback(setattr, trainer, "attention_kernel", kernel)
+            self.flops = self.stack.enter_context(FlopCounterMode(display=False))
+            self.stack.enter_context(attention.kernel("math"))
+        elif index == self.BYTE_STEP:
+            self.meter = ActivationMeter()
+            self.stack.enter_context(self.collectives.counting(reset=True))
+            hooks = torch.autograd.graph.saved_tensors_hooks(self.meter.pack, self.meter.unpack)
+            self.stack.enter_context(hooks)
+        else:
+            if dist.is_initialized():
+                dist.barrier()  # the ranks start the step together
+            dev.synchronize(trainer.device)
+            self.start = time.perf_counter()
+
+    def step_end(self, trainer: Any, loss: torch.Tensor) -> None:
+        from utils import device as dev
+
+        index = len(self.record["seconds"])
+        self.stack.close()
+        if index == self.FLOP_STEP:
+            by_op = {str(op): n for op, n in self.flops.get_flop_counts()["Global"].items()}
+            self.record.update(flops=self.flops.get_total_flops(), flops_by_op=by_op)
+            self.record["seconds"].append(None)
+        elif index == self.BYTE_STEP:
+            self.record.update(saved_peak_bytes=self.meter.peak, comm_bytes=dict(self.collectives.bytes),
+                               comm_calls=dict(self.collectives.calls), held=held_now(trainer),
+                               pp_rank=trainer.ctx.mesh.rank_in("pp"), dp_rank=trainer.ctx.mesh.rank_in("dp"))
+            self.record["seconds"].append(None)
+        else:
+            dev.synchronize(trainer.device)
+            self.record["seconds"].append(time.perf_counter() - self.start)
+
+    def fit_end(self, trainer: Any) -> None:
+        import torch.distributed as dist
+
+        records = [{"rank": trainer.ctx.rank, **self.record}]
+        if dist.is_initialized():
+            records = [None] * dist.get_world_size()
+            dist.all_gather_object(records, {"rank": trainer.ctx.rank, **self.record})
+        if trainer.ctx.is_main:
+            (trainer.ctx.run_dir / RECORD_FILE).write_text(json.dumps(records))
+
+
+def held_now(trainer: Any) -> dict[str, int]:
+    """Bytes the rank holds after the step, by kind, with the gradients a step holds (zero_grad
+    freed them before this is read)."""
+    from distributed.shards import local
+
+    held = trainer.held_bytes()
+    if "step_gradients" not in held:
+        held["step_gradients"] = sum(local(p).numel() * local(p).element_size()
+                                     for p in trainer.model.parameters() if p.requires_grad)
+    return held
 
 
 # ------------------------------------------------------------------ the driver ---

@@ -40,42 +40,46 @@ def worker(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from training.launcher import main
-    from training.trainer import Trainer
+    from training.trainer import Callback
     from utils import device as dev
     from utils.profiling import SavedTensorMeter
 
-    class RecordingTrainer(Trainer):
-        def build_model(self):
-            model = super().build_model()
+    class PipelineRecord(Callback):
+        """Each step's time, the stages' timeline of forward and backward parts, and the peak of
+        saved activations; each rank writes its own record at the end."""
+
+        def __init__(self) -> None:
             self.events: list = []
             self.steps: list[dict[str, Any]] = []
-            model.record_timeline(self.events)
-            return model
 
-        def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        def model_built(self, trainer) -> None:
+            trainer.model.record_timeline(self.events)
+
+        def step_start(self, trainer) -> None:
             dist.barrier()  # the ranks start the step together: their clocks line up
             self.events.clear()
-            meter = SavedTensorMeter()
-            dev.synchronize(self.device)  # on a GPU: the host clock reads the device's time
-            start = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                loss = super().train_step(inp, tar)
-            dev.synchronize(self.device)
+            self.meter = SavedTensorMeter()
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(self.meter.pack, self.meter.unpack)
+            self.hooks.__enter__()
+            dev.synchronize(trainer.device)  # on a GPU: the host clock reads the device's time
+            self.start = time.perf_counter()
+
+        def step_end(self, trainer, loss) -> None:
+            self.hooks.__exit__(None, None, None)
+            dev.synchronize(trainer.device)
             end = time.perf_counter()
-            self.steps.append({"seconds": end - start, "saved_peak_bytes": meter.peak,
-                               "events": [(k, s, m, a - start, b - start) for k, s, m, a, b in self.events]})
-            return loss
+            self.steps.append({"seconds": end - self.start, "saved_peak_bytes": self.meter.peak,
+                               "events": [(k, s, m, a - self.start, b - self.start)
+                                          for k, s, m, a, b in self.events]})
 
-        def fit(self):
-            result = super().fit()
-            record = {"rank": self.ctx.rank, "pp_rank": self.ctx.mesh.rank_in("pp"),
-                      "stages": self.model.stage_ids, "steps": self.steps}
-            path = self.ctx.run_dir / RECORD_FILE.format(rank=self.ctx.rank)
+        def fit_end(self, trainer) -> None:
+            record = {"rank": trainer.ctx.rank, "pp_rank": trainer.ctx.mesh.rank_in("pp"),
+                      "stages": trainer.model.stage_ids, "steps": self.steps}
+            path = trainer.ctx.run_dir / RECORD_FILE.format(rank=trainer.ctx.rank)
             path.write_text(json.dumps(record))
-            return result
 
-    return main(RecordingTrainer, argv, description="train_mp.py recording its pipeline",
-                model_parallel=True)
+    return main(argv=argv, description="train_mp.py recording its pipeline", model_parallel=True,
+                callbacks=[PipelineRecord()])
 
 
 # ------------------------------------------------------------------ the driver ---

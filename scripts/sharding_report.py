@@ -21,11 +21,11 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.instruments import read_metrics  # noqa: E402
 from scripts.workers import run_worker, worker_env  # noqa: E402
 
 MODES = ("ddp", "zero1", "fsdp")
@@ -34,84 +34,37 @@ A100_GB = 40
 
 
 # ------------------------------------------------------------ the worker (one rank) ---
-def count_collectives(counts: dict[str, float], active: list[bool]) -> None:
-    """Wrap the collectives that sharding uses so that each adds its payload (bytes) while
-    ``active[0]``: all-reduce and broadcast move their tensor, all-gather its output,
-    reduce-scatter its input."""
-    import torch.distributed as dist
-
-    def wrap(name: str, kind: str, payload) -> None:
-        original = getattr(dist, name, None)
-        if original is None:  # FSDP2 calls *_single from torch 2.13 on, *_tensor before
-            return
-
-        def counted(*args, **kwargs):
-            if active[0]:
-                t = payload(*args, **kwargs)
-                counts[kind] = counts.get(kind, 0) + t.numel() * t.element_size()
-            return original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-
-    def arg(position: int, keyword: str):  # positional or keyword, as callers differ
-        return lambda *a, **k: k[keyword] if keyword in k else a[position]
-
-    wrap("all_gather_into_tensor", "all_gather", arg(0, "output_tensor"))
-    wrap("all_gather_single", "all_gather", arg(0, "output_tensor"))
-    wrap("reduce_scatter_tensor", "reduce_scatter", arg(1, "input"))
-    wrap("reduce_scatter_single", "reduce_scatter", arg(1, "input"))
-    wrap("broadcast", "broadcast", arg(0, "tensor"))
-
-
 def worker(argv: list[str]) -> int:
-    import torch
-    import torch.distributed as dist
-
+    from scripts.instruments import CollectiveCounter, count_ddp_gradients
     from training.launcher import main
-    from training.trainer import Trainer
+    from training.trainer import Callback
 
-    counts: dict[str, float] = {}
-    active = [False]
-    count_collectives(counts, active)
+    class CommCount(Callback):
+        """The bytes each kind of collective moves in the training steps (rank 0 writes them,
+        per step, to RUN_DIR/comm.json)."""
 
-    class CountingTrainer(Trainer):
-        def build_model(self):
-            model = super().build_model()
-            if hasattr(model, "register_comm_hook"):  # DDP: its all-reduce runs in C++, hook it
-                def hook(state, bucket):
-                    buf = bucket.buffer()
-                    if active[0]:
-                        counts["all_reduce"] = counts.get("all_reduce", 0) + buf.numel() * buf.element_size()
-                    buf.div_(dist.get_world_size(self.ctx.dp_group))
-                    work = dist.all_reduce(buf, group=self.ctx.dp_group, async_op=True)
-                    return work.get_future().then(lambda fut: fut.value()[0])
+        def __init__(self) -> None:
+            self.counter, self.steps = CollectiveCounter().install(), 0
 
-                model.register_comm_hook(None, hook)
-            return model
+        def model_built(self, trainer) -> None:
+            count_ddp_gradients(trainer.model, trainer.ctx.dp_group)
 
-        def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-            active[0] = True
-            try:
-                return super().train_step(inp, tar)
-            finally:
-                active[0] = False
-                self.steps_counted = getattr(self, "steps_counted", 0) + 1
+        def step_start(self, trainer) -> None:
+            self.counter.active = True
 
-        def fit(self):
-            result = super().fit()
-            if self.ctx.is_main:
-                per_step = {k: v / max(1, self.steps_counted) for k, v in counts.items()}
-                (self.ctx.run_dir / COMM_FILE).write_text(json.dumps(per_step))
-            return result
+        def step_end(self, trainer, loss) -> None:
+            self.counter.active = False
+            self.steps += 1
 
-    return main(CountingTrainer, argv, description="train.py counting its collectives")
+        def fit_end(self, trainer) -> None:
+            if trainer.ctx.is_main:
+                per_step = {k: v / max(1, self.steps) for k, v in self.counter.bytes.items()}
+                (trainer.ctx.run_dir / COMM_FILE).write_text(json.dumps(per_step))
+
+    return main(argv=argv, description="train.py counting its collectives", callbacks=[CommCount()])
 
 
 # ------------------------------------------------------------------ the driver ---
-def last_metrics(run_dir: Path) -> dict[str, Any]:
-    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-
-
 def measure(args: argparse.Namespace, mode: str, ranks: int, checkpointing: str = "none") -> dict:
     name = f"{mode}_{ranks}_{checkpointing}"
     flags = [f"--yaml_config={args.yaml_config}", f"--config={args.config}", f"--run_num={name}",
@@ -123,7 +76,7 @@ def measure(args: argparse.Namespace, mode: str, ranks: int, checkpointing: str 
     # the peak resident memory of the same run would vary from one run to the next
     run_worker(__file__, ranks, flags, worker_env(MALLOC_MMAP_THRESHOLD_=str(1 << 20)))
     run_dir = next((args.out / "runs" / args.config).glob(f"*/{name}"))
-    m = last_metrics(run_dir)
+    m = read_metrics(run_dir)[-1]
     comm = json.loads((run_dir / COMM_FILE).read_text()) if (run_dir / COMM_FILE).is_file() else {}
     return {"mode": mode, "ranks": ranks, "checkpointing": checkpointing, "memory_MiB": m["memory_MiB"],
             "samples_per_sec": m["samples_per_sec"], "comm_bytes_per_step": comm}

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from training.launcher import main  # noqa: E402
-from training.trainer import Trainer  # noqa: E402
+from training.trainer import Callback  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -59,32 +59,33 @@ def forbid_writes_under(root: str) -> None:
     sys.addaudithook(hook)
 
 
-class FaultyTrainer(Trainer):
+class Faults(Callback):
     raise_at = _at("DDP_TEST_RAISE_AT")
     nan_at = _at("DDP_TEST_NAN_AT")
     signal_at = _at("DDP_TEST_SIGNAL_AT")
     freeze_at = _at("DDP_TEST_FREEZE_AT")
     exit_at = _at("DDP_TEST_EXIT_AT") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else None
 
-    def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        if self.step == self.exit_at:
+    def step_start(self, trainer) -> None:
+        if trainer.step == self.exit_at:
             os._exit(1)
-        if self.step == self.freeze_at:  # the first parameter's gradient is among the last in backward
-            first = next(self.model.parameters())
+        if trainer.step == self.freeze_at:  # the first parameter's gradient is among the last in backward
+            first = next(trainer.model.parameters())
             first.register_post_accumulate_grad_hook(lambda p: os.kill(os.getpid(), signal.SIGSTOP))
-        if self.step == self.raise_at:
-            raise RuntimeError(f"injected failure on rank {RANK} at step {self.step}")
-        if self.step == self.signal_at:
+        if trainer.step == self.raise_at:
+            raise RuntimeError(f"injected failure on rank {RANK} at step {trainer.step}")
+        if trainer.step == self.signal_at:
             sig = signal.Signals["SIG" + os.environ.get("DDP_TEST_SIGNAL", "USR1")]
             for _ in range(2 if os.environ.get("DDP_TEST_SIGNAL_TWICE") else 1):
                 if os.environ.get("DDP_TEST_SIGNAL_GROUP"):  # as Slurm does: every process of the job
                     os.killpg(os.getpgrp(), sig)
                 else:
                     os.kill(os.getpid(), sig)
-        loss = super().train_step(inp, tar)
-        if self.step == self.nan_at:
+
+    def step_end(self, trainer, loss: torch.Tensor) -> torch.Tensor | None:
+        if trainer.step == self.nan_at:
             return torch.full_like(loss, float("nan"))
-        return loss
+        return None
 
 
 def die_before_latest(step: int) -> None:
@@ -105,5 +106,5 @@ if __name__ == "__main__":
         die_before_latest(int(os.environ["DDP_TEST_DIE_BEFORE_LATEST"]))
     if RANK != 0 and os.environ.get("DDP_TEST_READONLY"):
         forbid_writes_under(os.environ["DDP_TEST_READONLY"])
-    sys.exit(main(FaultyTrainer, description="train.py with fault injection",
+    sys.exit(main(callbacks=[Faults()], description="train.py with fault injection",
                   model_parallel=os.environ.get("DDP_TEST_MODEL_PARALLEL") == "1"))

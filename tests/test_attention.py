@@ -1,13 +1,11 @@
 """The attention kernel: chosen once per device and precision, applied to every forward, kept on
 resume, refused in one line where the device lacks it (utils/attention.py)."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.conftest import REPO  # noqa: F401  (puts the repository on sys.path)
-from training.checkpointing import keep_attention_kernel
 from training.context import RunContext
 from training.trainer import Trainer
 from utils import attention
@@ -63,19 +61,12 @@ def test_a_resumed_run_keeps_the_kernel_it_started_with(cfg_factory, tmp_path, m
 
 
 def test_which_kernel_a_resumed_run_keeps():
-    def trainer(setting, current, device="cpu"):
-        return SimpleNamespace(cfg=SimpleNamespace(attention_kernel=setting), attention_kernel=current,
-                               device=torch.device(device))
+    from training.state import kept_attention_kernel
 
-    t = trainer("flash", "flash")  # a kernel named on the command line wins
-    keep_attention_kernel(t, "math")
-    assert t.attention_kernel == "flash"
-    t = trainer("auto", "math")  # a GPU run's cudnn continued on a CPU
-    keep_attention_kernel(t, "cudnn")
-    assert t.attention_kernel == "math"
-    t = trainer("auto", "math")  # a checkpoint from before the key
-    keep_attention_kernel(t, None)
-    assert t.attention_kernel == "math"
+    assert kept_attention_kernel("flash", "flash", "math", CPU) == "flash"  # named on the command line
+    assert kept_attention_kernel("auto", "math", "cudnn", CPU) == "math"  # a GPU run's cudnn on a CPU
+    assert kept_attention_kernel("auto", "math", None, CPU) == "math"  # a checkpoint from before the key
+    assert kept_attention_kernel("auto", "default", "math", CPU) == "math"  # the run's own choice
 
 
 def test_a_gpu_only_kernel_on_cpu_is_one_line(cfg_factory, tmp_path, capsys):
@@ -86,7 +77,7 @@ def test_a_gpu_only_kernel_on_cpu_is_one_line(cfg_factory, tmp_path, capsys):
     yaml = tmp_path / "t.yaml"
     with open(yaml, "w") as f:
         YAML().dump({"t": cfg_factory().to_dict()}, f)
-    code = main(Trainer, ["--yaml_config", str(yaml), "--config", "t", "--attention_kernel", "cudnn"])
+    code = main(argv=["--yaml_config", str(yaml), "--config", "t", "--attention_kernel", "cudnn"])
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: attention_kernel cudnn runs only on CUDA GPUs; on cpu use auto, default, flash or math")

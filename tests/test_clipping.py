@@ -70,9 +70,9 @@ def test_clipping_off_computes_nothing(cfg_factory, tmp_path):
 
 
 def test_refusals_are_one_line(cfg_factory):
-    from training.graphs import GraphTrainer
+    from training.graphs import GraphStep
 
     with pytest.raises(ValueError, match="'grad_clip_norm' must be 0 or more, got -1"):
         cfg_factory(grad_clip_norm=-1.0)
     with pytest.raises(ValueError, match="train_graph.py does not clip gradients"):
-        GraphTrainer(cfg_factory(grad_clip_norm=1.0), RunContext(device=CPU, run_dir=None), 4)
+        GraphStep.check(cfg_factory(grad_clip_norm=1.0), RunContext(device=CPU, run_dir=None), 4)

@@ -35,11 +35,11 @@ def test_compression_is_refused_where_ddp_does_not_reduce_alone(cfg_factory, fla
 
 def test_graph_runs_refuse_compression(cfg_factory):
     from training.context import RunContext
-    from training.graphs import GraphTrainer
+    from training.graphs import GraphStep
 
     with pytest.raises(ValueError, match="train_graph.py does not compress gradients"):
         ctx = RunContext(device=torch.device("cpu"), run_dir=None)
-        GraphTrainer(cfg_factory(grad_compression="bf16"), ctx, 4)
+        GraphStep.check(cfg_factory(grad_compression="bf16"), ctx, 4)
 
 
 def _bytes_counted_are_bytes_sent() -> None:

@@ -28,7 +28,8 @@ from tests.dist_spawn import run_ranks
 from tests.slurm_harness import free_port
 from tests.test_sharded import assert_same_losses
 from training import deepspeed_engine
-from training.trainer import make_lr_lambda
+from training.schedule import make_lr_lambda
+from training.trainer import EagerStep
 from utils.signals import EXIT_STOPPED
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -89,8 +90,8 @@ def _engines_on_ranks(cfgs: dict, root: Path) -> None:
         cfg = cfgs[name]
         ctx = RunContext(device=torch.device("cpu"), run_dir=root / folder, rank=rank, world_size=2,
                          mesh=mesh)
-        trainer_cls = deepspeed_engine.DeepSpeedTrainer if cfg.engine == "deepspeed" else Trainer
-        trainer = trainer_cls(cfg, ctx, cfg.global_batch_size // 2)
+        step = deepspeed_engine.DeepSpeedStep if cfg.engine == "deepspeed" else EagerStep
+        trainer = Trainer(cfg, ctx, cfg.global_batch_size // 2, step=step)
         if name == "zero3_onecycle":  # the rate each optimizer step of the engine uses
             rates, engine_step = [], trainer.model.step
 
@@ -190,13 +191,12 @@ def test_without_deepspeed_the_flag_stops_in_one_line(data_dir, tmp_path, monkey
     """As if DeepSpeed were not installed (its import fails): exit 2, one line naming make deepspeed,
     nothing written."""
     from training.launcher import main
-    from training.trainer import Trainer
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed raises ImportError
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     yaml = write_test_yaml(tmp_path / "ViT.yaml")
-    code = main(Trainer, args(yaml, data_dir, tmp_path / "logs", engine="deepspeed", zero_stage=2))
+    code = main(argv=args(yaml, data_dir, tmp_path / "logs", engine="deepspeed", zero_stage=2))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "make deepspeed" in err[0], err
     assert not (tmp_path / "logs").exists()
@@ -204,14 +204,13 @@ def test_without_deepspeed_the_flag_stops_in_one_line(data_dir, tmp_path, monkey
 
 def test_model_parallel_and_graph_scripts_refuse_the_engine(data_dir, tmp_path, capsys):
     from training.launcher import main
-    from training.trainer import Trainer
 
     yaml = write_test_yaml(tmp_path / "ViT.yaml")
-    code = main(Trainer, args(yaml, data_dir, tmp_path / "logs", engine="deepspeed"), model_parallel=True)
+    code = main(argv=args(yaml, data_dir, tmp_path / "logs", engine="deepspeed"), model_parallel=True)
     assert code == 2 and "use train.py --engine deepspeed" in capsys.readouterr().err
-    from training.graphs import GraphTrainer
+    from training.graphs import GraphStep
 
-    code = main(GraphTrainer, args(yaml, data_dir, tmp_path / "logs", engine="deepspeed"))
+    code = main(GraphStep, args(yaml, data_dir, tmp_path / "logs", engine="deepspeed"))
     assert code == 2 and "run --engine deepspeed with train.py" in capsys.readouterr().err
     if os.environ.get("REQUIRE_DEEPSPEED"):  # CI installed it: the engine's runs above were not skipped
         assert HAVE_DEEPSPEED, "REQUIRE_DEEPSPEED is set but DeepSpeed is not installed: run make deepspeed"

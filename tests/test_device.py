@@ -121,31 +121,32 @@ def test_graph_trainer_uses_one_side_stream_for_ddp_warmup_and_capture(cfg_facto
         events.append(("capture", s))
         yield
 
-    real_parallelize = graphs.Trainer.build_model.__globals__["parallelize"]
+    real_build = graphs.EagerStep.build_model
 
-    def parallelize(*args, **kwargs):
-        events.append(("parallelize", tuple(inside)))
-        return real_parallelize(*args, **kwargs)
+    def build_model(self):
+        events.append(("build", tuple(inside)))
+        return real_build(self)
 
     monkeypatch.setattr(dev, "new_stream", lambda device: stream)
     monkeypatch.setattr(dev, "on_stream", on_stream)
     monkeypatch.setattr(dev, "new_cuda_graph", FakeGraph)
     monkeypatch.setattr(dev, "graph_capture", capture)
-    monkeypatch.setitem(graphs.Trainer.build_model.__globals__, "parallelize", parallelize)
-    monkeypatch.setattr(graphs.GraphTrainer, "build_optimizer",  # capturable Adam needs CUDA
-                        lambda self: torch.optim.Adam(self.model.parameters(), lr=1e-3))
+    monkeypatch.setattr(graphs.EagerStep, "build_model", build_model)
+    monkeypatch.setattr(graphs.GraphStep, "build_optimizer",  # capturable Adam needs CUDA
+                        lambda self: torch.optim.Adam(self.trainer.model.parameters(), lr=1e-3))
     cfg = cfg_factory(num_iters=graphs.EAGER_WARMUP_STEPS + 2)
-    trainer = graphs.GraphTrainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path), 4)
+    trainer = graphs.Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path), 4,
+                             step=graphs.GraphStep)
     warmups = []
-    real_step = graphs.Trainer.train_step
+    real_step = graphs.EagerStep.train_step
 
     def counted_step(self, inp, tar):
         warmups.append(tuple(inside))
         return real_step(self, inp, tar)
 
-    monkeypatch.setattr(graphs.Trainer, "train_step", counted_step)
+    monkeypatch.setattr(graphs.EagerStep, "train_step", counted_step)
     trainer.fit()
-    assert events[0] == ("parallelize", (stream,))  # DDP would be constructed on the side stream
+    assert events[0] == ("build", (stream,))  # DDP would be constructed on the side stream
     assert warmups == [(stream,)] * graphs.EAGER_WARMUP_STEPS
     assert ("capture", stream) in events and events.count("replay") == 2
 
@@ -223,8 +224,8 @@ def test_graphs_refuse_activation_checkpointing_before_torch_2_10(cfg_factory, t
     assert problem.startswith("train_graph.py with --activation_checkpointing needs torch 2.10 or newer")
     monkeypatch.setattr(compat, "torch_version", lambda version=None: (2, 8))
     with pytest.raises(ValueError, match="needs torch 2.10 or newer"):
-        graphs.GraphTrainer(cfg_factory(activation_checkpointing="full"),
-                            RunContext(device=torch.device("cpu"), run_dir=tmp_path), 4)
+        graphs.GraphStep.check(cfg_factory(activation_checkpointing="full"),
+                               RunContext(device=torch.device("cpu"), run_dir=tmp_path), 4)
 
 
 def test_pipeline_timeline_reads_the_clock_after_the_device_finishes(monkeypatch):

@@ -212,20 +212,20 @@ def test_expert_runs_refused_where_they_cannot_run(cfg_factory, tmp_path, capsys
     from ruamel.yaml import YAML
 
     from training.context import RunContext
-    from training.graphs import GraphTrainer
+    from training.graphs import GraphStep
     from training.launcher import main
-    from training.trainer import Trainer
 
     path = tmp_path / "test.yaml"
     with open(path, "w") as f:
         YAML().dump({"test": cfg_factory().to_dict()}, f)
     argv = ["--yaml_config", str(path), "--config", "test", "--num_experts", "4", "--expert_parallel", "2"]
-    assert main(Trainer, argv) == 2
+    assert main(argv=argv) == 2
     assert "expert parallel runs use train_mp.py" in capsys.readouterr().err.strip().splitlines()[-1]
-    assert main(Trainer, argv, model_parallel=True) == 2
+    assert main(argv=argv, model_parallel=True) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: expert_parallel 2 does not divide the 1 data-parallel ranks; choose a divisor (the "
         "expert-parallel ranks are data-parallel ranks)")
     assert not (tmp_path / "logs").exists()
     with pytest.raises(ValueError, match="train_graph.py does not train a mixture of experts"):
-        GraphTrainer(cfg_factory(num_experts=4), RunContext(device=torch.device("cpu"), run_dir=tmp_path), 4)
+        GraphStep.check(cfg_factory(num_experts=4), RunContext(device=torch.device("cpu"), run_dir=tmp_path),
+                        4)

@@ -16,7 +16,7 @@ import torch
 from tests.conftest import REPO, subprocess_env
 from training.context import RunContext
 from training.launcher import arg_parser, resolve_config
-from training.trainer import Trainer
+from training.trainer import EagerStep, Trainer
 from utils import device as dev
 from utils.metrics import relative_l2_loss
 from utils.profiling import TRACE_DIR
@@ -24,9 +24,9 @@ from utils.profiling import TRACE_DIR
 BATCH = 4
 
 
-def make_trainer(cfg, tmp_path: Path, cls=Trainer, device: str = "cpu") -> Trainer:
+def make_trainer(cfg, tmp_path: Path, step: type[EagerStep] = EagerStep, device: str = "cpu") -> Trainer:
     ctx = RunContext(device=torch.device(device), run_dir=tmp_path / "run")
-    return cls(cfg, ctx, BATCH)
+    return Trainer(cfg, ctx, BATCH, step=step)
 
 
 def fixed_batches(n: int, cfg, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -212,14 +212,14 @@ def test_train_graph_without_cuda_exits_with_one_line(cfg_factory):
 @pytest.mark.parametrize("amp_mode", ["none", "bf16"])
 def test_graph_replay_matches_eager(cfg_factory, tmp_path, amp_mode):
     sys.path.insert(0, str(REPO))
-    from training.graphs import EAGER_WARMUP_STEPS, GraphTrainer
+    from training.graphs import EAGER_WARMUP_STEPS, GraphStep
 
     cfg = cfg_factory(amp_mode=amp_mode, num_iters=10)
     batches = [(x.cuda(), y.cuda()) for x, y in fixed_batches(EAGER_WARMUP_STEPS + 5, cfg)]
     eager = train_losses(make_trainer(cfg, tmp_path / "a", device="cuda"), batches)
-    graph_trainer = make_trainer(cfg, tmp_path / "b", GraphTrainer, device="cuda")
+    graph_trainer = make_trainer(cfg, tmp_path / "b", GraphStep, device="cuda")
     graphed = train_losses(graph_trainer, batches)
-    assert graph_trainer.graph is not None
+    assert graph_trainer.variant.graph is not None
     # capturable Adam computes the same update with device-side step counts; the replayed
     # kernels are the eager ones, so the losses agree to float rounding
     torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=1e-4, atol=1e-6)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.test_reliability import assert_same_run, make_trainer, metrics
-from training.trainer import make_lr_lambda
+from training.schedule import make_lr_lambda
 from utils import signals
 
 
@@ -101,7 +101,7 @@ def _norms_of_split_tensors() -> None:
 
     from distributed.lamb import split_sum_squares
     from distributed.mesh import build_mesh
-    from distributed.sharding import local
+    from distributed.shards import local
     from distributed.tags import tag
 
     rank = dist.get_rank()

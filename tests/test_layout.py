@@ -18,6 +18,8 @@ LAYERS = ["utils", "networks", "distributed", "training"]  # lowest first
 ENTRY_SCRIPTS = {"train", "train_graph", "train_mp"}
 # a guide, not a rule: a concept that reads better whole may stay whole up to this
 MAX_LINES = 450
+# the spine: page 1 promises the single-device step and the epoch loop in one file
+LONGER = {"training/trainer.py": 560}
 # the one module allowed to use torch's private names (each use guarded and explained there)
 COMPAT_MODULE = "utils/compat.py"
 # private-looking names of the standard library that are documented public API
@@ -83,7 +85,8 @@ def test_package_files_stay_small():
     for layer in LAYERS:
         for path in package_files(layer):
             n = len(path.read_text().splitlines())
-            assert n <= MAX_LINES, f"{path.relative_to(REPO)} has {n} lines; split it"
+            limit = LONGER.get(path.relative_to(REPO).as_posix(), MAX_LINES)
+            assert n <= limit, f"{path.relative_to(REPO)} has {n} lines; split it"
 
 
 def private_names(source: str) -> list[str]:

@@ -250,9 +250,8 @@ def test_a_stage_copies_only_what_it_reads(first, last, validating, moved):
     in for a GPU: a tensor moved there is no longer on the CPU)."""
     from types import SimpleNamespace
 
-    from training.pipelined import PipelineTrainer
+    from training.pipelined import PipelineStep
 
-    fake = SimpleNamespace(device=torch.device("meta"), validating=validating,
-                           model=SimpleNamespace(is_first=first, is_last=last))
-    inp, tar = PipelineTrainer.to_device(fake, torch.zeros(2, 3), torch.zeros(2, 3))
+    fake = SimpleNamespace(device=torch.device("meta"), model=SimpleNamespace(is_first=first, is_last=last))
+    inp, tar = PipelineStep(fake).to_device(torch.zeros(2, 3), torch.zeros(2, 3), validating=validating)
     assert tuple(n for n, t in (("inp", inp), ("tar", tar)) if t.is_meta) == moved

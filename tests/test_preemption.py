@@ -15,17 +15,19 @@ import torch
 from distributed.stop import StopAgreement
 from tests.conftest import REPO, subprocess_env
 from training.context import RunContext
-from training.trainer import Trainer
+from training.trainer import Callback, Trainer
 from utils import signals as preemption
 
 
-class SignalledTrainer(Trainer):
-    signal_at: int | None = None
+class SignalAt(Callback):
+    """Sends this process SIGUSR1 as the step ``at`` starts."""
 
-    def train_step(self, inp, tar):
-        if self.step == self.signal_at:
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def step_start(self, trainer) -> None:
+        if trainer.step == self.at:
             os.kill(os.getpid(), signal.SIGUSR1)
-        return super().train_step(inp, tar)
 
 
 @pytest.fixture
@@ -45,8 +47,8 @@ def test_signal_checkpoints_at_next_step_and_resume_is_exact(cfg_factory, tmp_pa
     reference.fit()
 
     ctx = RunContext(torch.device("cpu"), tmp_path / "run")
-    first = SignalledTrainer(cfg, ctx, 4)
-    first.signal_at = 2  # the signal arrives during step 2; one process stops after it
+    first = Trainer(cfg, ctx, 4, callbacks=[SignalAt(2)])  # the signal arrives during step 2; one
+    # process stops after it
     first.fit()
     assert first.stopped_early and first.step == 3
     assert preemption.received() == "SIGUSR1"

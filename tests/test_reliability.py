@@ -23,8 +23,8 @@ class KilledError(BaseException):
     """Stands for SIGKILL: nothing after it runs (not an Exception, so nothing catches it)."""
 
 
-def make_trainer(cfg, run_dir, cls=Trainer):
-    return cls(cfg, RunContext(device=torch.device("cpu"), run_dir=run_dir), cfg.global_batch_size)
+def make_trainer(cfg, run_dir):
+    return Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=run_dir), cfg.global_batch_size)
 
 
 def metrics(run_dir):

@@ -37,7 +37,7 @@ def launch(data_dir, tmp_path, capsys):
     def run(**flags):
         values = {"expdir": tmp_path / "logs", "data_dir": data_dir, "num_iters": 4, **flags}
         expdir, data = values.pop("expdir"), values.pop("data_dir")
-        code = main(Trainer, train_args(yaml, data, expdir, **values))
+        code = main(argv=train_args(yaml, data, expdir, **values))
         out = capsys.readouterr()
         err = out.err.strip().splitlines()
         return code, err[-1] if err else "", out.out

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from distributed.mesh import build_mesh
-from distributed.sharding import local
+from distributed.shards import local
 from tests.conftest import REPO, make_cfg, subprocess_env
 from tests.ddp_helpers import metrics, run, run_dir, train_args, write_test_yaml
 from tests.dist_spawn import run_ranks

@@ -156,19 +156,18 @@ def test_resume_tp2_from_a_serial_checkpoint(runs, tmp_path):
 
 def test_flags_and_layout_errors(cfg_factory, tmp_path, capsys):
     from training.launcher import arg_parser, main
-    from training.trainer import Trainer
 
     args = arg_parser().parse_args(["--row_parallel_size", "4", "--context_parallel", "2",
                                     "--parallel_order", "cp-tp-dp"])
     assert (args.tensor_parallel, args.context_parallel, args.parallel_order) == (4, 2, "cp-tp-dp")
     yaml = _write_yaml(cfg_factory(), tmp_path / "test.yaml")
     argv = ["--yaml_config", str(yaml), "--config", "test", "--tensor_parallel", "2"]
-    code = main(Trainer, argv, model_parallel=True)
+    code = main(argv=argv, model_parallel=True)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err[-1].startswith("error: world size 1 is not divisible by tensor_parallel x context_parallel")
     assert not (tmp_path / "logs").exists()  # nothing written for a run that cannot start
-    code = main(Trainer, argv + ["--amp_mode", "fp16"], model_parallel=True)
+    code = main(argv=argv + ["--amp_mode", "fp16"], model_parallel=True)
     assert code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: amp_mode fp16 does not work with tensor_parallel > 1 (the ranks' loss scalers "

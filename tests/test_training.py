@@ -11,7 +11,8 @@ from ruamel.yaml import YAML
 
 from tests.conftest import REPO, subprocess_env
 from training.context import RunContext, local_batch_size
-from training.trainer import Trainer, make_lr_lambda
+from training.schedule import make_lr_lambda
+from training.trainer import Trainer
 from utils import checkpoint as ckpt
 
 

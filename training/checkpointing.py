@@ -1,43 +1,122 @@
-"""A trainer's whole state in a checkpoint: written atomically, only when it is sound, and
-loaded so that the run continues exactly as if it had never stopped.
+"""Checkpoints: written atomically, only when they are sound, and loaded so that the run
+continues exactly as if it had never stopped.
+
+A checkpoint is made of parts (training/trainer.py:Trainer.checkpoint_parts): each part says what
+it saves and restores with ``state_dict()`` / ``load_state_dict(state)`` over keys of its own (the
+Trainer's progress: "step", "epoch_loss_sum", ...; the step variant's "model" and "optimizer";
+"scheduler", "scaler", "rng", "config"), and this module writes their union and hands it back to
+each of them. It knows nothing of the Trainer.
 
 Two forms. The single file (``checkpoint.pt``, every layout but FSDP) holds the consolidated
 model and optimizer state (whole tensors with the serial names, whatever the layout); only
 rank 0 writes it, every rank takes part in the reductions that gather it. FSDP runs write
-sharded checkpoints (training/sharded_checkpoint.py), every rank its shards. Both hold the
-scheduler, the loss scaler, the step, the running sum of the epoch's training loss, the
-random generators and the configuration, and either loads into any layout: a run whose
-layout changed continues from whichever form is newer, then writes its own.
+sharded checkpoints (training/sharded_checkpoint.py), every rank its shards of the model and
+optimizer, rank 0 the other parts. Either form loads into any layout: a run whose layout changed
+continues from whichever form is newer, then writes its own.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from distributed.env import all_reduce_sum
-from distributed.sharding import local, local_optimizer
 from training import sharded_checkpoint as sharded
 from training.context import TrainingError
-from utils import attention
 from utils import checkpoint as ckpt
 from utils import device as dev
-
-if TYPE_CHECKING:
-    from training.trainer import Trainer
+from utils.config import Config
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+
+
+class Stateful(Protocol):
+    """A part of a checkpoint: its own keys of the checkpoint's dict."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Sharded(Protocol):
+    """The part that holds the model and optimizer, when it writes them as shards (FSDP)."""
+
+    def shards(self) -> dict[str, Any]: ...
+
+    def load_shards(self, path: Path) -> None: ...
+
+
+class RandomState:
+    """The random generators: the device's (torch's CPU one on a CPU), numpy's and Python's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": {"device": dev.rng_state(self.device), "numpy": np.random.get_state(),
+                        "python": random.getstate()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        dev.set_rng_state(state["rng"]["device"], self.device)
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+
+
+class ScheduleState:
+    """The learning-rate schedule ("scheduler"). Its rates load as numbers whatever the run that
+    wrote them kept them as (a CUDA-graph run keeps the rate as a GPU tensor, training/graphs.py):
+    a number is what an optimizer that is not capturable takes, and a capturable one's tensor rate
+    is filled in place with it (torch's LRScheduler does that when the rate is a tensor)."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = dict(state["scheduler"])
+        for key in ("base_lrs", "_last_lr"):
+            if key in saved:
+                saved[key] = [float(v) for v in saved[key]]
+        self.scheduler.load_state_dict(saved)
+
+
+class ScalerState:
+    """fp16's loss scaler ("scaler"; None without one)."""
+
+    def __init__(self, scaler: torch.amp.GradScaler | None) -> None:
+        self.scaler = scaler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+class ConfigRecord:
+    """The run's configuration, written for the record (training/run_dir.py compares a rerun's
+    settings with it before anything starts); nothing to restore."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": self.cfg.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 def find(run_dir: Path) -> Path | None:
@@ -55,70 +134,57 @@ def read_summary(path: Path) -> dict[str, Any]:
     return {"step": state["step"], "config": state.get("config", {})}
 
 
-def trainer_state(trainer: Trainer, tensors: bool = True) -> dict[str, Any]:
-    """Everything needed to continue (collective: every rank must call it); without
-    ``tensors``, all but the model and optimizer state."""
-    epoch_loss = all_reduce_sum(trainer.epoch_loss.clone(), trainer.ctx.dp_group).item()
-    check_finite(trainer, epoch_loss)
-    state = {"model": trainer.model_state(), "optimizer": trainer.optimizer_state()} if tensors else {}
-    return {
-        **state,
-        "scheduler": trainer.scheduler.state_dict(),
-        "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
-        "step": trainer.step,
-        "attention_kernel": trainer.attention_kernel,
-        "epoch_loss_sum": epoch_loss,  # summed over data-parallel ranks...
-        "epoch_loss_ranks": trainer.ctx.dp_size,  # ...of which there were this many
-        "epoch_steps": trainer.epoch_steps,
-        "rng": {"device": dev.rng_state(trainer.device), "numpy": np.random.get_state(),
-                "python": random.getstate()},
-        "config": trainer.cfg.to_dict(),
-    }
+def collect(parts: Sequence[Stateful]) -> dict[str, Any]:
+    """The union of the parts' states (collective: a part may gather over the ranks)."""
+    state: dict[str, Any] = {}
+    for part in parts:
+        own = part.state_dict()
+        clash = set(own) & set(state)
+        assert not clash, f"two checkpoint parts write {sorted(clash)}"
+        state.update(own)
+    return state
 
 
-def check_finite(trainer: Trainer, epoch_loss_sum: float) -> None:
-    """Refuse, on every rank alike, to checkpoint a NaN or infinite loss or weight: it would
-    replace the last good checkpoint with one that no rerun can recover from."""
-    finite = torch.stack([torch.isfinite(local(p)).all() for p in trainer.raw_model.parameters()])
-    bad = torch.stack([torch.tensor(not math.isfinite(epoch_loss_sum), device=trainer.device),
-                       (~finite).any()]).float()  # on the device: one host sync, below
-    all_reduce_sum(bad)  # over every rank: shards differ, the decision must not
-    if bad.any():
-        what = "training loss" if bad[0] else "model weights"
-        last = find(trainer.ctx.run_dir)
-        kept = f"the last good checkpoint ({last}) is kept" if last else "no checkpoint was written"
-        raise TrainingError(f"the {what} at step {trainer.step} is not finite (NaN or inf): not writing "
-                            f"a checkpoint, {kept}; lower the learning rate or check the data")
-
-
-def save(trainer: Trainer) -> None:
-    if trainer.sharded_checkpoints:
-        save_sharded(trainer)
-        return
-    state = trainer_state(trainer)  # every rank joins the reductions inside
-    if trainer.ctx.is_main:
+def save(run_dir: Path, parts: Sequence[Stateful], step: int, is_main: bool,
+         shards: Sharded | None = None) -> None:
+    """Write every part's state (collective: every rank calls it). With ``shards`` (one of the
+    parts), that part's tensors are written as shards by every rank, the others by rank 0."""
+    if shards is not None:
+        rest = collect([p for p in parts if p is not shards])
         try:
-            ckpt.save_atomic(state, trainer.checkpoint_path)
-        except OSError as err:  # a full disk or quota, a folder removed under the run
-            raise TrainingError(f"could not write the checkpoint {trainer.checkpoint_path}: "
+            folder = sharded.save(run_dir, step, shards.shards(), rest, is_main)
+        except OSError as err:
+            raise TrainingError(f"could not write the sharded checkpoint in {run_dir}: "
                                 f"{err.strerror or err}; the previous checkpoint is kept. Free space "
                                 f"(or choose another --expdir) and run the same command again") from None
-        log.info("checkpoint at step %d written to %s", trainer.step, trainer.checkpoint_path)
-        sharded.remove_all(trainer.ctx.run_dir)  # a sharded one of an earlier layout: now older
-
-
-def save_sharded(trainer: Trainer) -> None:
-    rest = trainer_state(trainer, tensors=False)
-    tensors = sharded.model_and_optimizer(trainer.raw_model, trainer.optimizer)
+        if is_main:
+            (run_dir / ckpt.CHECKPOINT_NAME).unlink(missing_ok=True)  # an older single file
+            log.info("sharded checkpoint at step %d written to %s", step, folder)
+        return
+    state = collect(parts)  # every rank joins the reductions inside
+    if not is_main:
+        return
+    path = run_dir / ckpt.CHECKPOINT_NAME
     try:
-        folder = sharded.save(trainer.ctx.run_dir, trainer.step, tensors, rest, trainer.ctx.is_main)
-    except OSError as err:
-        raise TrainingError(f"could not write the sharded checkpoint in {trainer.ctx.run_dir}: "
-                            f"{err.strerror or err}; the previous checkpoint is kept. Free space "
-                            f"(or choose another --expdir) and run the same command again") from None
-    if trainer.ctx.is_main:
-        (trainer.ctx.run_dir / ckpt.CHECKPOINT_NAME).unlink(missing_ok=True)  # an older single file
-        log.info("sharded checkpoint at step %d written to %s", trainer.step, folder)
+        ckpt.save_atomic(state, path)
+    except OSError as err:  # a full disk or quota, a folder removed under the run
+        raise TrainingError(f"could not write the checkpoint {path}: {err.strerror or err}; the previous "
+                            f"checkpoint is kept. Free space (or choose another --expdir) and run the "
+                            f"same command again") from None
+    log.info("checkpoint at step %d written to %s", step, path)
+    sharded.remove_all(run_dir)  # a sharded one of an earlier layout: now older
+
+
+def load(path: Path, parts: Sequence[Stateful], shards: Sharded | None = None) -> None:
+    """Hand each part its state from the checkpoint at ``path`` (either form, into any layout)."""
+    if path.is_dir() and shards is not None:  # each rank reads the slices it needs
+        shards.load_shards(path)
+        state = sharded.read_trainer_file(path)
+        parts = [p for p in parts if p is not shards]
+    else:  # whole tensors: each part keeps what is this rank's
+        state = sharded.read_consolidated(path) if path.is_dir() else ckpt.load(path)
+    for part in parts:
+        part.load_state_dict(state)
 
 
 # How the optimizer computes, not what it has learned: the running script's choice
@@ -133,8 +199,10 @@ def keep_kernel_flags(optimizer: torch.optim.Optimizer, load: Callable[[], None]
     resuming a train.py checkpoint would lose ``capturable`` (and its capture fail), and a
     change of ``--enable_fused`` would be ignored. Adam's step counts then move to where the
     kept flags want them: on the parameter's device for capturable or fused Adam, on the CPU
-    otherwise (torch checks both)."""
-    inner = local_optimizer(optimizer)  # ZeRO-1: the Adam that holds this rank's share
+    otherwise (torch checks both). A learning rate saved as a tensor (a CUDA-graph run keeps it
+    on the GPU for its replays) becomes a number again for an optimizer that is not capturable:
+    foreach Adam refuses a tensor learning rate."""
+    inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1: the optimizer that holds this rank's share
     before = [{key: group.get(key) for key in KERNEL_FLAGS} for group in inner.param_groups]
     load()
     changed = set()
@@ -143,6 +211,10 @@ def keep_kernel_flags(optimizer: torch.optim.Optimizer, load: Callable[[], None]
             if group.get(key) != value:
                 changed.add(f"{key} {group.get(key)} -> {value}")
                 group[key] = value
+        if torch.is_tensor(group.get("lr")) and not group.get("capturable"):
+            group["lr"] = group["lr"].item()
+            if torch.is_tensor(group.get("initial_lr")):
+                group["initial_lr"] = group["initial_lr"].item()
         on_device = bool(group.get("capturable") or group.get("fused"))
         for p in group["params"]:
             step = (inner.state.get(p) or {}).get("step")
@@ -151,46 +223,6 @@ def keep_kernel_flags(optimizer: torch.optim.Optimizer, load: Callable[[], None]
     if changed:
         log.info("the checkpoint's optimizer ran with other kernels; this run keeps its own (%s)",
                  ", ".join(sorted(changed)))
-
-
-def load(trainer: Trainer, path: Path) -> None:
-    if path.is_dir() and trainer.sharded_checkpoints:  # each rank reads the slices it needs
-        keep_kernel_flags(trainer.optimizer,
-                          lambda: sharded.load_into(path, trainer.raw_model, trainer.optimizer))
-        state = sharded.read_trainer_file(path)
-    else:  # whole tensors, each rank keeps its part
-        state = sharded.read_consolidated(path) if path.is_dir() else ckpt.load(path)
-        from training.upgrade import upgrade_checkpoint  # older checkpoints' layout, when resuming
-
-        state = upgrade_checkpoint(state, trainer.cfg.num_heads)
-        trainer.load_model_state(state["model"])
-        keep_kernel_flags(trainer.optimizer, lambda: trainer.load_optimizer_state(state["optimizer"]))
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    if trainer.scaler and state["scaler"]:
-        trainer.scaler.load_state_dict(state["scaler"])
-    trainer.step = state["step"]
-    keep_attention_kernel(trainer, state.get("attention_kernel"))
-    # the epoch's loss sum so far goes to one rank, so the epoch-end reduction counts it once;
-    # rescaled from the data-parallel ranks that summed it to those that will average it
-    ranks = state.get("epoch_loss_ranks", trainer.ctx.dp_size)
-    loss_sum = state["epoch_loss_sum"] * trainer.ctx.dp_size / ranks
-    trainer.epoch_loss.fill_(loss_sum if trainer.ctx.dp_rank == 0 else 0.0)
-    trainer.epoch_steps = state["epoch_steps"]
-    dev.set_rng_state(state["rng"]["device"], trainer.device)
-    np.random.set_state(state["rng"]["numpy"])
-    random.setstate(state["rng"]["python"])
-    log.info("resumed from %s at step %d", path, trainer.step)
-
-
-def keep_attention_kernel(trainer: Trainer, kernel: str | None) -> None:
-    """With ``attention_kernel: auto``, continue on the kernel the run chose when it started
-    (timed again, it could come out otherwise and the resumed run would not be exact)."""
-    if trainer.cfg.attention_kernel != "auto" or kernel in (None, trainer.attention_kernel):
-        return
-    if kernel in attention.CUDA_ONLY and trainer.device.type != "cuda":
-        return  # a GPU run continued on a CPU: keep this device's own choice
-    log.info("attention kernel %s, as the run chose at its start", kernel)
-    trainer.attention_kernel = kernel
 
 
 def trim_metrics(run_dir: Path, step: int) -> None:

@@ -1,7 +1,7 @@
 """The same training on DeepSpeed's engine (``train.py --engine deepspeed``).
 
-What changes against the plain Trainer, all here; the model, data, loss, validation, logging,
-checkpoints and run directories are the Trainer's:
+What changes against the eager step (training/trainer.py), all in this part; the model, data,
+loss, validation, logging, checkpoints and run directories are the Trainer's:
 
 * **Wrapping.** The serial model (the same weights from the seed) and torch's Adam go to
   ``deepspeed.initialize`` with a config generated from the run's keys (:func:`ds_config`,
@@ -43,7 +43,8 @@ from distributed import consolidate
 from distributed.parallelize import apply_activation_checkpointing, materialize, serial_values
 from networks.vit import build_vit, count_parameters
 from training.context import RunContext
-from training.trainer import Trainer
+from training.state import ModelState
+from training.trainer import EagerStep, Trainer
 from utils import checkpoint as ckpt
 from utils import compat
 from utils import device as dev
@@ -125,55 +126,151 @@ def ds_config(cfg: Config, local_batch: int, dp_size: int, device: torch.device)
     }
 
 
-class DeepSpeedTrainer(Trainer):
-    """The Trainer with DeepSpeed's engine doing wrapping, backward, step, accumulation and clipping."""
+def launcher_env(ctx: RunContext, device: torch.device) -> dict[str, str]:
+    """The variables DeepSpeed reads as torchrun and its own launcher set them; srun sets SLURM_*
+    ones instead, so they come from the ranks the launcher found. LOCAL_RANK is the GPU this rank
+    uses (DeepSpeed calls torch.cuda.set_device with it): under srun --gpus-per-task=1 every task
+    sees one GPU, cuda:0, whatever its local rank."""
+    local_rank = device.index if device.type == "cuda" and device.index is not None else ctx.local_rank
+    return {"RANK": str(ctx.rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(ctx.world_size)}
 
-    def __init__(self, cfg: Config, ctx: RunContext, local_batch: int) -> None:
+
+class DeepSpeedState(ModelState):
+    """The project's consolidated checkpoint, assembled from ZeRO's partitions (never sharded)."""
+
+    sharded = False
+
+    @property
+    def step(self) -> DeepSpeedStep:
+        return self.trainer.variant
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """Whole fp32 tensors with the serial names (collective: each is assembled from the ranks'
+        partitions); without a master copy (stage 0 in fp32) the weights themselves."""
+        frag = self.step.deepspeed.utils
+        state = {}
+        for name, p in self.trainer.raw_model.named_parameters():
+            full = frag.safe_get_full_fp32_param(p)
+            state[name] = (p if full is None else full).detach().clone()
+        return state
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Each tensor into the master copy (this rank's partition of it) and into the weights
+        (ZeRO-3: gathered, written, partitioned again)."""
+        frag = self.step.deepspeed.utils
+        t = self.trainer
+        params = dict(t.raw_model.named_parameters())
+        consolidate.check_names(params, state)
+        for name, p in params.items():
+            frag.safe_set_full_fp32_param(p, state[name].to(t.device, torch.float32))
+            gathered = self.step.deepspeed.zero.GatheredParameters([p], modifier_rank=0,
+                                                              enabled=t.cfg.zero_stage == 3)
+            with gathered, torch.no_grad():
+                p.copy_(state[name].to(p.device, p.dtype))
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """torch's optimizer state dict for the serial model's parameters (indices in their order)."""
+        optimizer = self.trainer.optimizer
+        groups = [{**g, "lr": optimizer.param_groups[0]["lr"],
+                   "initial_lr": optimizer.param_groups[0].get("initial_lr", g["lr"])}
+                  for g in self.step.client_groups]
+        if optimizer is self.step.ds_optimizer:  # stage 0 in fp32: torch's optimizer on the weights
+            return optimizer.state_dict()
+        inner = optimizer.state
+        if not inner:  # no step yet: nothing learned
+            return {"state": {}, "param_groups": groups}
+        first = next(iter(inner.values()))
+        keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]  # per element
+        frag = self.step.deepspeed.utils
+        state = {}
+        for i, p in enumerate(self.trainer.raw_model.parameters()):
+            # the step count is one per partition here, one per parameter in torch's format: each
+            # its own tensor (Adam adds 1 to each in place; shared, one would count every parameter)
+            state[i] = {k: v.clone() if torch.is_tensor(v) else v for k, v in first.items() if k not in keys}
+            state[i].update({k: frag.safe_get_full_optimizer_state(p, k).detach().clone() for k in keys})
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        optimizer = self.trainer.optimizer
+        if optimizer is self.step.ds_optimizer:
+            optimizer.load_state_dict(state)
+            return
+        saved = state["param_groups"][0]
+        for group in optimizer.param_groups:
+            group["lr"] = saved["lr"]
+            group["initial_lr"] = saved.get("initial_lr", saved["lr"])
+        if not state["state"]:
+            return
+        first = state["state"][0]
+        keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]
+        # DeepSpeed's optimizer creates its state in its first step; the set functions write
+        # into it, so it is created here as that step would (zeros, then overwritten)
+        for flat in self.step.master_partitions():
+            entry = optimizer.state[flat]
+            entry.update({k: v.clone() if torch.is_tensor(v) else v for k, v in first.items()
+                          if k not in keys})
+            for k in keys:
+                entry[k] = torch.zeros_like(flat)
+        compat.deepspeed_link_optimizer_state(self.step.ds_optimizer)  # stages 1-2, bf16: fragments -> state
+        frag = self.step.deepspeed.utils
+        for i, p in enumerate(self.trainer.raw_model.parameters()):
+            for k in keys:
+                value = state["state"][i][k].to(self.trainer.device, torch.float32)
+                frag.safe_set_full_optimizer_state(p, value, k)
+
+
+class DeepSpeedStep(EagerStep):
+    """The step on DeepSpeed's engine: wrapping, backward, step, accumulation and clipping."""
+
+    state_class = DeepSpeedState
+
+    def __init__(self, trainer: Trainer) -> None:
+        super().__init__(trainer)
+        cfg, ctx = trainer.cfg, trainer.ctx
         self.deepspeed = import_deepspeed()
-        self.ds_config = ds_config(cfg, local_batch, ctx.dp_size, ctx.device)
-        super().__init__(cfg, ctx, local_batch)
-        # bf16 is the engine's: the weights are bf16 already, autocast would only add casts
-        self.amp_mode = "none"
+        self.ds_config = ds_config(cfg, trainer.local_batch, ctx.dp_size, ctx.device)
+        # bf16 is the engine's: the weights are bf16, autocast would only add casts
+        trainer.amp_mode = "none"
         self.input_dtype = torch.bfloat16 if cfg.amp_mode == "bf16" else None
         log.info("DeepSpeed %s engine, ZeRO stage %d%s; its config: %s", self.deepspeed.__version__,
                  cfg.zero_stage, " with CPU offload" if cfg.cpu_offload else "", ctx.run_dir / CONFIG_NAME)
 
-    def fit(self) -> dict[str, Any]:
-        if self.ctx.is_main:  # the run directory is locked now: what ran, beside config.yaml
+    def run_started(self) -> None:
+        ctx = self.trainer.ctx
+        if ctx.is_main:  # the run directory is locked now: what ran, beside config.yaml
             text = json.dumps(self.ds_config, indent=2) + "\n"
-            self.ctx.run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt.write_text_atomic(self.ctx.run_dir / CONFIG_NAME, text)
-        return super().fit()
+            ctx.run_dir.mkdir(parents=True, exist_ok=True)
+            ckpt.write_text_atomic(ctx.run_dir / CONFIG_NAME, text)
 
     # ------------------------------------------------------------------ building ---
     def build_model(self) -> nn.Module:
         """The serial model with the seed's weights, whole on every rank: DeepSpeed partitions it."""
+        t = self.trainer
         with torch.device("meta"):
-            serial = build_vit(self.cfg)
-        self.n_params = count_parameters(serial)
-        values = serial_values(serial, self.cfg.seed)
-        model = apply_activation_checkpointing(serial, self.cfg.activation_checkpointing)
-        if self.cfg.enable_jit:
+            serial = build_vit(t.cfg)
+        t.n_params = count_parameters(serial)
+        values = serial_values(serial, t.cfg.seed)
+        model = apply_activation_checkpointing(serial, t.cfg.activation_checkpointing)
+        if t.cfg.enable_jit:
             for block in model.blocks.values():
                 block.compile()
-        return materialize(model, self.ctx.mesh, self.device, values)
+        return materialize(model, t.ctx.mesh, t.device, values)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        """Torch's optimizer, handed to ``deepspeed.initialize`` with the model; ``self.model``
+        """Torch's optimizer, handed to ``deepspeed.initialize`` with the model; ``trainer.model``
         becomes the engine. Returns the optimizer that steps (under ZeRO: over the flat fp32
         partitions this rank owns), on which the project's schedule sets the learning rate."""
-        if not dist.is_initialized():  # one process: DeepSpeed still wants a process group
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        # DeepSpeed reads the variables torchrun and its own launcher set; srun sets SLURM_* ones
-        for name, value in (("RANK", self.ctx.rank), ("LOCAL_RANK", self.ctx.local_rank),
-                            ("WORLD_SIZE", self.ctx.world_size)):
-            os.environ.setdefault(name, str(value))
+        t = self.trainer
+        if not dist.is_initialized():  # one process: DeepSpeed still wants a process group (NCCL on a GPU)
+            dist.init_process_group(dev.backend_for(t.device, t.cfg.dist_backend), store=dist.HashStore(),
+                                    rank=0, world_size=1)
+        os.environ.update(launcher_env(t.ctx, t.device))
         client = super().build_optimizer()
         # the param groups' format of a checkpoint this engine writes (indices, hyperparameters)
         self.client_groups = client.state_dict()["param_groups"]
-        engine, optimizer, _, _ = self.deepspeed.initialize(model=self.model, optimizer=client,
+        engine, optimizer, _, _ = self.deepspeed.initialize(model=t.model, optimizer=client,
                                                             config=self.ds_config, dist_init_required=False)
-        self.model = engine
+        t.model = engine
         self.ds_optimizer = optimizer  # ZeRO's (or bf16's) wrapper, or torch's Adam itself
         return getattr(optimizer, "optimizer", optimizer)
 
@@ -188,31 +285,30 @@ class DeepSpeedTrainer(Trainer):
         return inp if self.input_dtype is None else inp.to(self.input_dtype)
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        n = self.cfg.grad_accum_steps
-        total = torch.zeros((), device=self.device)
+        t = self.trainer
+        n = t.cfg.grad_accum_steps
+        total = torch.zeros((), device=t.device)
         for x, y in zip(inp.chunk(n), tar.chunk(n)):
-            self.mark("forward")
+            t.mark("forward")
             with dev.nvtx_range("forward"):
                 loss = self.forward_loss(x, y)
-                objective = loss + self.balancing_loss()
-            self.mark("backward")
+                objective = loss + t.balancing_loss()
+            t.mark("backward")
             with dev.nvtx_range("backward"):
-                self.model.backward(objective)  # / n; the gradients reduced at the last micro-batch
-            self.mark("optimizer step")
+                t.model.backward(objective)  # / n; the gradients reduced at the last micro-batch
+            t.mark("optimizer step")
             with dev.nvtx_range("optimizer"):
-                self.model.step()  # clip, step, zero the gradients: at the last micro-batch only
+                t.model.step()  # clip, step, zero the gradients: at the last micro-batch only
             total += loss.detach() / n
-        self.scheduler.step()
-        norm = self.model.get_global_grad_norm()  # before clipping; None where DeepSpeed keeps none
-        if self.cfg.grad_clip_norm and norm is not None:  # (stage 0 in fp32 clips with torch's function)
-            self.grad_norms.append(torch.as_tensor(float(norm)))
-        if self.moe_layers:
-            self.moe_stats.append((torch.stack([m.stats for m in self.moe_layers]),
-                                   torch.stack([m.aux_loss.detach() for m in self.moe_layers])))
+        t.scheduler.step()
+        norm = t.model.get_global_grad_norm()  # before clipping; None where DeepSpeed keeps none
+        if t.cfg.grad_clip_norm and norm is not None:  # (stage 0 in fp32 clips with torch's function)
+            t.grad_norms.append(torch.as_tensor(float(norm)))
+        t.record_experts()
         return total
 
     def gathers_in_forward(self) -> bool:
-        return self.cfg.zero_stage == 3  # every forward gathers parameters: ranks in lockstep
+        return self.trainer.cfg.zero_stage == 3  # every forward gathers parameters: ranks in lockstep
 
     # ------------------------------------------------------------------- memory ---
     def held_bytes(self) -> dict[str, int]:
@@ -221,12 +317,13 @@ class DeepSpeedTrainer(Trainer):
         def size(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
 
-        working = [getattr(p, "ds_tensor", p) for p in self.raw_model.parameters()]
-        own = {id(p) for p in self.raw_model.parameters()}
+        raw = self.trainer.raw_model
+        working = [getattr(p, "ds_tensor", p) for p in raw.parameters()]
+        own = {id(p) for p in raw.parameters()}
         masters = [p for p in self.master_partitions() if id(p) not in own]
-        state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        state = [v for s in self.trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         return {"parameters": sum(size(p) for p in working), "step_gradients": self.gradient_bytes(),
-                "gradients": sum(size(p.grad) for p in self.raw_model.parameters() if p.grad is not None),
+                "gradients": sum(size(p.grad) for p in raw.parameters() if p.grad is not None),
                 "optimizer_state": sum(size(p) for p in masters) + sum(size(v) for v in state)}
 
     def master_partitions(self) -> list[torch.Tensor]:
@@ -235,91 +332,12 @@ class DeepSpeedTrainer(Trainer):
         flat = getattr(self.ds_optimizer, "fp32_partitioned_groups_flat", None)
         if flat is not None:
             return list(flat)
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        return [p for g in self.trainer.optimizer.param_groups for p in g["params"]]
 
     def gradient_bytes(self) -> int:
         """The gradients a step holds: whole at stages 0 and 1, this rank's partition at 2 and 3,
         in the weights' precision (DeepSpeed's default ``grad_accum_dtype``)."""
-        numel = sum(getattr(p, "ds_numel", p.numel()) for p in self.raw_model.parameters())
-        if self.cfg.zero_stage >= 2:
-            numel = -(-numel // self.ctx.dp_size)
+        numel = sum(getattr(p, "ds_numel", p.numel()) for p in self.trainer.raw_model.parameters())
+        if self.trainer.cfg.zero_stage >= 2:
+            numel = -(-numel // self.trainer.ctx.dp_size)
         return numel * (2 if self.input_dtype == torch.bfloat16 else 4)
-
-    # --------------------------------------------------------------- checkpoints ---
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """Whole fp32 tensors with the serial names (collective: each is assembled from the ranks'
-        partitions); without a master copy (stage 0 in fp32) the weights themselves."""
-        frag = self.deepspeed.utils
-        state = {}
-        for name, p in self.raw_model.named_parameters():
-            full = frag.safe_get_full_fp32_param(p)
-            state[name] = (p if full is None else full).detach().clone()
-        return state
-
-    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Each tensor into the master copy (this rank's partition of it) and into the weights
-        (ZeRO-3: gathered, written, partitioned again)."""
-        frag = self.deepspeed.utils
-        params = dict(self.raw_model.named_parameters())
-        consolidate.check_names(params, state)
-        for name, p in params.items():
-            frag.safe_set_full_fp32_param(p, state[name].to(self.device, torch.float32))
-            gathered = self.deepspeed.zero.GatheredParameters([p], modifier_rank=0,
-                                                              enabled=self.cfg.zero_stage == 3)
-            with gathered, torch.no_grad():
-                p.copy_(state[name].to(p.device, p.dtype))
-
-    def optimizer_state(self) -> dict[str, Any]:
-        """torch's optimizer state dict for the serial model's parameters (indices in their order)."""
-        groups = [{**g, "lr": self.optimizer.param_groups[0]["lr"],
-                   "initial_lr": self.optimizer.param_groups[0].get("initial_lr", g["lr"])}
-                  for g in self.client_groups]
-        if self.optimizer is self.ds_optimizer:  # stage 0 in fp32: torch's optimizer on the weights
-            return self.optimizer.state_dict()
-        inner = self.optimizer.state
-        if not inner:  # no step yet: nothing learned
-            return {"state": {}, "param_groups": groups}
-        first = next(iter(inner.values()))
-        keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]  # per element
-        frag = self.deepspeed.utils
-        state = {}
-        for i, p in enumerate(self.raw_model.parameters()):
-            # the step count is one per partition here, one per parameter in torch's format: each
-            # its own tensor (Adam adds 1 to each in place; shared, one would count every parameter)
-            state[i] = {k: v.clone() if torch.is_tensor(v) else v for k, v in first.items() if k not in keys}
-            state[i].update({k: frag.safe_get_full_optimizer_state(p, k).detach().clone() for k in keys})
-        return {"state": state, "param_groups": groups}
-
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        if self.optimizer is self.ds_optimizer:
-            self.optimizer.load_state_dict(state)
-            return
-        saved = state["param_groups"][0]
-        for group in self.optimizer.param_groups:
-            group["lr"] = saved["lr"]
-            group["initial_lr"] = saved.get("initial_lr", saved["lr"])
-        if not state["state"]:
-            return
-        first = state["state"][0]
-        keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]
-        # DeepSpeed's optimizer creates its state in its first step; the set functions write
-        # into it, so it is created here as that step would (zeros, then overwritten)
-        for flat in self.master_partitions():
-            entry = self.optimizer.state[flat]
-            entry.update({k: v.clone() if torch.is_tensor(v) else v for k, v in first.items()
-                          if k not in keys})
-            for k in keys:
-                entry[k] = torch.zeros_like(flat)
-        compat.deepspeed_link_optimizer_state(self.ds_optimizer)  # stages 1-2, bf16: fragments -> state
-        frag = self.deepspeed.utils
-        for i, p in enumerate(self.raw_model.parameters()):
-            for k in keys:
-                frag.safe_set_full_optimizer_state(p, state["state"][i][k].to(self.device, torch.float32), k)
-
-
-def trainer_for(cfg: Config, script_trainer: type[Trainer]) -> type[Trainer]:
-    """The script's Trainer on DeepSpeed's engine (a subclass that changes the step, as the tests'
-    fault-injecting one does, keeps its changes around the engine's step)."""
-    if script_trainer is Trainer:
-        return DeepSpeedTrainer
-    return type(f"DeepSpeed{script_trainer.__name__}", (script_trainer, DeepSpeedTrainer), {})

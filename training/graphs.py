@@ -2,7 +2,8 @@
 
 Launching hundreds of small kernels one by one costs CPU time per step; a CUDA graph
 records the launches of one whole step (forward, loss, backward, Adam) once and then
-replays them with a single call. What changes against the plain Trainer, all here:
+replays them with a single call. What changes against the eager step (training/trainer.py),
+all here:
 
 * Adam keeps its step count and learning rate on the GPU (``capturable=True``, the
   learning rate a tensor the scheduler writes into between replays), because a graph
@@ -24,17 +25,26 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from training.context import RunContext
-from training.trainer import Trainer
+from training.state import ModelState
+from training.trainer import EagerStep, Trainer, optimizer_choice
 from utils import compat
 from utils import device as dev
 from utils.config import Config
 
 EAGER_WARMUP_STEPS = 3
 DDP_WARMUP_STEPS = 11  # PyTorch's CUDA graph notes: at least 11 eager DDP iterations before capture
+CAPTURABLE = ("Adam", "AdamW")  # torch's optimizers with a capturable kernel
 
 
-class GraphTrainer(Trainer):
-    """The Trainer with the step captured once and replayed.
+class GraphState(ModelState):
+    """As every run's, but the learning-rate tensors the captured graph reads stay in place."""
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        keep_lr_tensors(self.trainer.optimizer, lambda: super(GraphState, self).load_optimizer_state(state))
+
+
+class GraphStep(EagerStep):
+    """The eager step captured once and replayed.
 
     One side stream serves the whole run: DDP is constructed on it (PyTorch's CUDA graph
     notes require DDP to be built in a side-stream context before capturing a full
@@ -42,19 +52,26 @@ class GraphTrainer(Trainer):
     """
 
     autocast_cache = False  # cached casts would be freed with the capture's memory pool
+    state_class = GraphState
 
-    def __init__(self, cfg: Config, ctx: RunContext, local_batch: int) -> None:
+    @classmethod
+    def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
+        super().check(cfg, ctx, local_batch)
         if cfg.engine != "native":  # DeepSpeed's step is its own, not one captured graph
             raise ValueError("train_graph.py captures the native step; run --engine deepspeed with train.py")
         if cfg.amp_mode == "fp16":
             raise ValueError("train_graph.py supports amp_mode none or bf16: fp16's GradScaler "
                              "checks for inf on the host, which a CUDA graph cannot capture")
+        if cfg.optimizer_type not in CAPTURABLE:
+            raise ValueError(f"train_graph.py captures {' and '.join(CAPTURABLE)} (their capturable "
+                             f"kernels keep the step count and learning rate on the GPU); run "
+                             f"--optimizer {cfg.optimizer_type} with train.py")
         problem = compat.graphs_with_checkpointing_problem()
         if cfg.activation_checkpointing != "none" and problem:
             raise ValueError(problem)
         if cfg.grad_clip_norm:
-            raise ValueError("train_graph.py does not clip gradients (its captured step calls Adam "
-                             "directly); run --grad_clip_norm with train.py")
+            raise ValueError("train_graph.py does not clip gradients (its captured step calls the "
+                             "optimizer directly); run --grad_clip_norm with train.py")
         if cfg.grad_compression != "none":  # a hook's Python callbacks cannot be captured
             raise ValueError("train_graph.py does not compress gradients (DDP's communication hook "
                              "runs Python callbacks, which a CUDA graph cannot capture); run "
@@ -66,40 +83,41 @@ class GraphTrainer(Trainer):
         if cfg.data_parallel != "ddp" or cfg.grad_accum_steps > 1:
             raise ValueError("train_graph.py captures one plain DDP step: use --data_parallel ddp and "
                              "--grad_accum_steps 1 (train.py runs zero1, fsdp and accumulation)")
-        self.stream = dev.new_stream(ctx.device)
-        super().__init__(cfg, ctx, local_batch)
-        ddp = isinstance(self.model, DistributedDataParallel)
-        self.warmup_steps = DDP_WARMUP_STEPS if ddp else EAGER_WARMUP_STEPS
+
+    def __init__(self, trainer: Trainer) -> None:
+        super().__init__(trainer)
+        self.stream = dev.new_stream(trainer.device)
         self.eager_steps = 0
         self.graph = None
         self.static_inp = self.static_tar = self.static_loss = None
 
+    @property
+    def warmup_steps(self) -> int:
+        ddp = isinstance(self.trainer.model, DistributedDataParallel)
+        return DDP_WARMUP_STEPS if ddp else EAGER_WARMUP_STEPS
+
     def build_model(self) -> nn.Module:
-        with dev.on_stream(self.stream, self.device):
+        with dev.on_stream(self.stream, self.trainer.device):
             return super().build_model()
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        lr = torch.tensor(self.cfg.lr, device=self.device)  # the scheduler fills it in place
-        return torch.optim.Adam(self.model.parameters(), lr=lr, betas=self.cfg.adam_betas,
-                                **dev.adam_kernel(self.cfg.enable_fused), capturable=True)
-
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        keep_lr_tensors(self.optimizer, lambda: super(GraphTrainer, self).load_optimizer_state(state))
+        return capturable_optimizer(self.trainer.model.parameters(), self.trainer.cfg, self.trainer.device)
 
     def capture(self, inp: torch.Tensor, tar: torch.Tensor) -> None:
         """Record one step on static buffers; gradients are allocated inside the graph."""
+        t = self.trainer
         self.static_inp, self.static_tar = inp.clone(), tar.clone()
-        self.optimizer.zero_grad(set_to_none=True)
+        t.optimizer.zero_grad(set_to_none=True)
         self.graph = dev.new_cuda_graph()
         with dev.graph_capture(self.graph, self.stream):
             loss = self.forward_loss(self.static_inp, self.static_tar)
             loss.backward()
-            self.optimizer.step()
+            t.optimizer.step()
         self.static_loss = loss.detach()
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         if self.graph is None and self.eager_steps < self.warmup_steps:
-            with dev.on_stream(self.stream, self.device):
+            with dev.on_stream(self.stream, self.trainer.device):
                 loss = super().train_step(inp, tar)
             self.eager_steps += 1
             return loss
@@ -109,8 +127,16 @@ class GraphTrainer(Trainer):
             self.static_inp.copy_(inp)
             self.static_tar.copy_(tar)
             self.graph.replay()
-        self.scheduler.step()
+        self.trainer.scheduler.step()
         return self.static_loss.clone()  # the next replay overwrites static_loss
+
+
+def capturable_optimizer(params: Any, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    """Adam or AdamW as the run asks for (betas, weight decay, fused), with ``capturable=True`` and
+    the learning rate a tensor on the device that the scheduler fills in place between replays."""
+    optimizer_class, options = optimizer_choice(cfg, dev.adam_kernel(cfg.enable_fused))
+    options["lr"] = torch.tensor(cfg.lr, device=device)
+    return optimizer_class(params, **options, capturable=True)
 
 
 def keep_lr_tensors(optimizer: torch.optim.Optimizer, load: Callable[[], None]) -> None:

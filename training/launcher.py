@@ -17,6 +17,7 @@ import os
 import sys
 import traceback
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from distributed import mesh as meshes
 from distributed.env import any_rank, heartbeat, init_distributed, parse_env
 from training import run_dir as rundir
 from training.context import RunContext, local_batch_size
-from training.trainer import Trainer, TrainingError
+from training.trainer import Callback, EagerStep, Trainer, TrainingError
 from utils import device as dev
 from utils import signals
 from utils.config import DEFAULT_YAML, REPO_ROOT, Config, load_config, with_overrides
@@ -162,13 +163,32 @@ def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunC
     return cfg, ctx, local_batch
 
 
-def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description: str = "",
-         model_parallel: bool = False) -> int:
+def step_for(cfg: Config, script_step: type[EagerStep]) -> type[EagerStep]:
+    """The step variant this run needs, chosen once: a script's own (train_graph.py's, whose checks
+    refuse what it cannot run), else pipeline stages or DeepSpeed's engine when the configuration
+    asks for them (each imported only then), else the eager step."""
+    if script_step is not EagerStep:
+        return script_step
+    if cfg.pipeline_parallel > 1:
+        from training.pipelined import PipelineStep
+
+        return PipelineStep
+    if cfg.engine == "deepspeed":
+        from training.deepspeed_engine import DeepSpeedStep
+
+        return DeepSpeedStep
+    return script_step
+
+
+def main(step: type[EagerStep] = EagerStep, argv: list[str] | None = None, description: str = "",
+         model_parallel: bool = False, callbacks: Sequence[Callback] = ()) -> int:
     """Parse flags, set up ranks and logging, train; one-line errors for user mistakes.
 
-    ``model_parallel``: whether the lesson allows dimensions other than dp larger than 1
-    (train_mp.py); its run directories then name every parallel size. Nothing is written to
-    the run directory before the run is sure to start (see training/run_dir.py).
+    ``step``: the script's step variant (train_graph.py's CUDA graphs; pipelines and DeepSpeed
+    are chosen by the configuration). ``model_parallel``: whether the lesson allows dimensions
+    other than dp larger than 1 (train_mp.py); its run directories then name every parallel
+    size. ``callbacks``: hooks of a script that measures the run, or of a test. Nothing is
+    written to the run directory before the run is sure to start (see training/run_dir.py).
     """
     args = arg_parser(description).parse_args(argv)
     setup_logging(parse_env().rank if _env_ok() else 0)
@@ -198,15 +218,7 @@ def main(trainer_cls: type[Trainer], argv: list[str] | None = None, description:
             log.warning("%s", slow)
         log.info("config %s on %s, %d rank(s); run directory %s", args.config, ctx.device,
                  ctx.world_size, ctx.run_dir)
-        if cfg.pipeline_parallel > 1:  # the pipelined step, imported only for pipelines
-            from training.pipelined import trainer_for
-
-            trainer_cls = trainer_for(cfg, trainer_cls)
-        if cfg.engine == "deepspeed":  # DeepSpeed's engine, imported only for its runs
-            from training import deepspeed_engine
-
-            trainer_cls = deepspeed_engine.trainer_for(cfg, trainer_cls)
-        trainer = trainer_cls(cfg, ctx, local_batch)
+        trainer = Trainer(cfg, ctx, local_batch, step=step_for(cfg, step), callbacks=callbacks)
         lock = lock_run_dir(ctx)
         if ctx.is_main:
             write_resolved_config(cfg, ctx.run_dir, args.config)

@@ -1,6 +1,6 @@
-"""The Trainer with pipeline stages (``--pipeline_parallel`` > 1 in train_mp.py).
+"""The step with pipeline stages (``--pipeline_parallel`` > 1 in train_mp.py).
 
-The loop is the Trainer's; what changes is what a step and a prediction are:
+The loop is the Trainer's; what this part changes is what a step and a prediction are:
 
 - a training step is one run of the pipeline schedule (distributed/pipeline.py): the first
   stage reads the input, the last computes each micro-batch's loss, and the loss of the
@@ -23,87 +23,29 @@ from distributed import consolidate, pipeline
 from distributed.parallelize import parallelize, serial_values
 from networks.vit import build_vit, count_parameters
 from training.context import RunContext
-from training.trainer import Trainer
+from training.state import ModelState
+from training.trainer import EagerStep
 from utils import device as dev
 from utils.config import Config
 
 log = logging.getLogger(__name__)
 
 
-class PipelineTrainer(Trainer):
-    model: pipeline.Pipeline
+class PipelineState(ModelState):
+    """Consolidated checkpoints of a pipeline: each stage gathers its own tensors (keyed by the
+    serial names; the optimizer's state by the parameter's index in the serial model, its order
+    in Adam's single parameter group), then the first stage collects the other stages'."""
 
-    def __init__(self, cfg: Config, ctx: RunContext, local_batch: int) -> None:
-        if local_batch % cfg.num_microbatches:
-            raise ValueError(f"the local batch of {local_batch} samples does not split into "
-                             f"--num_microbatches {cfg.num_microbatches} equal micro-batches; choose "
-                             f"a number of micro-batches that divides it")
-        super().__init__(cfg, ctx, local_batch)
+    @property
+    def serial_names(self) -> list[str]:
+        return self.trainer.variant.serial_names
 
-    def build_model(self) -> pipeline.Pipeline:
-        with torch.device("meta"):  # as Trainer.build_model: each stage allocates only itself
-            serial = build_vit(self.cfg)
-        self.n_params = count_parameters(serial)
-        self.serial_names = [name for name, _ in serial.named_parameters()]
-        values = serial_values(serial, self.cfg.seed)
-        model = pipeline.build(serial, self.ctx.mesh, self.cfg, self.device,
-                               lambda stage: parallelize(stage, self.ctx.mesh, self.cfg, self.device, values),
-                               self.micro_batch_loss)
-        log.info("%s; this rank holds stages %s: %d of the model's %d parameters",
-                 self.ctx.mesh.describe(), model.stage_ids, sum(p.numel() for p in model.parameters()),
-                 self.n_params)
-        return model
-
-    def micro_batch_loss(self, pred: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(pred.float(), tar)
-
-    def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        # the schedule runs forward and backward: autocast covers both, which is harmless (the
-        # backward of each operation runs in the dtype its forward chose)
-        with dev.nvtx_range("pipeline schedule"), self.compute():
-            loss = self.model.step(inp, tar)
-        self.optimizer_step()
-        return loss
-
-    def predict(self, inp: torch.Tensor) -> torch.Tensor | None:
-        with self.compute():
-            return self.model.forward(inp)
-
-    def metric_groups(self) -> list[Any]:
-        return [self.ctx.dp_group, self.model.group]
-
-    validating = False
-
-    def to_device(self, inp: torch.Tensor, tar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Only the tensors this rank's stages read go to its device: the input for the first
-        stage, the target for the last (in validation the last stage also reads the input, for
-        persistence). A middle stage on a GPU would otherwise copy a whole batch it never reads
-        every step; it keeps the host tensors, whose shapes are all it needs."""
-        nb = self.device.type == "cuda"
-        if self.model.is_first or (self.model.is_last and self.validating):
-            inp = inp.to(self.device, non_blocking=nb)
-        if self.model.is_last:
-            tar = tar.to(self.device, non_blocking=nb)
-        return inp, tar
-
-    def validate(self) -> dict[str, Any]:
-        self.validating = True
-        try:
-            result = super().validate()
-        finally:
-            self.validating = False
-        result["example"] = self.model.from_last_stage(result["example"])  # for rank 0's images
-        return result
-
-    # ------------------------------------------------- consolidated checkpoints ---
-    # This rank's tensors are keyed by the serial names; the optimizer's state is keyed by the
-    # parameter's index in the serial model (its order in Adam's single parameter group).
     def _own_names(self) -> list[str]:
-        return [name for name, _ in self.raw_model.named_parameters()]
+        return [name for name, _ in self.trainer.raw_model.named_parameters()]
 
     def model_state(self) -> dict[str, torch.Tensor]:
         own = {k: v.cpu() for k, v in super().model_state().items()}
-        parts = self.model.gather_to_first(own)
+        parts = self.trainer.model.gather_to_first(own)
         if parts is None:
             return {}
         merged = {k: v for part in parts for k, v in part.items()}
@@ -120,7 +62,7 @@ class PipelineTrainer(Trainer):
         part = {"state": {index[i]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
                           for i, s in state.get("state", {}).items()},
                 "param_groups": state.get("param_groups", [])}
-        parts = self.model.gather_to_first(part)
+        parts = self.trainer.model.gather_to_first(part)
         if parts is None or not state:
             return {}
         group = dict(parts[0]["param_groups"][0])
@@ -137,13 +79,63 @@ class PipelineTrainer(Trainer):
             "param_groups": [group]})
 
 
-def trainer_for(cfg: Config, script_trainer: type[Trainer]) -> type[Trainer]:
-    """The Trainer a configuration needs: with pipeline stages, the script's Trainer with the
-    pipelined step mixed in (a subclass that changes the step, as the tests' fault-injecting
-    one does, keeps its changes around the pipelined step)."""
-    if cfg.pipeline_parallel == 1:
-        return script_trainer
-    if script_trainer is Trainer:
-        return PipelineTrainer
-    return type(f"Pipelined{script_trainer.__name__}", (script_trainer, PipelineTrainer), {})
+class PipelineStep(EagerStep):
+    state_class = PipelineState
+    @classmethod
+    def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
+        super().check(cfg, ctx, local_batch)
+        if local_batch % cfg.num_microbatches:
+            raise ValueError(f"the local batch of {local_batch} samples does not split into "
+                             f"--num_microbatches {cfg.num_microbatches} equal micro-batches; choose "
+                             f"a number of micro-batches that divides it")
 
+    def build_model(self) -> pipeline.Pipeline:
+        t = self.trainer
+        with torch.device("meta"):  # as EagerStep.build_parallel_model: each stage allocates only itself
+            serial = build_vit(t.cfg)
+        t.n_params = count_parameters(serial)
+        self.serial_names = [name for name, _ in serial.named_parameters()]
+        values = serial_values(serial, t.cfg.seed)
+        model = pipeline.build(serial, t.ctx.mesh, t.cfg, t.device,
+                               lambda stage: parallelize(stage, t.ctx.mesh, t.cfg, t.device, values),
+                               self.micro_batch_loss)
+        log.info("%s; this rank holds stages %s: %d of the model's %d parameters",
+                 t.ctx.mesh.describe(), model.stage_ids, sum(p.numel() for p in model.parameters()),
+                 t.n_params)
+        return model
+
+    def micro_batch_loss(self, pred: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        return self.trainer.loss_fn(pred.float(), tar)
+
+    def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        # the schedule runs forward and backward: autocast covers both, which is harmless (the
+        # backward of each operation runs in the dtype its forward chose)
+        with dev.nvtx_range("pipeline schedule"), self.compute():
+            loss = self.trainer.model.step(inp, tar)
+        self.optimizer_step()
+        return loss
+
+    def predict(self, inp: torch.Tensor) -> torch.Tensor | None:
+        with self.compute():
+            return self.trainer.model.forward(inp)
+
+    def metric_groups(self) -> list[Any]:
+        return [self.trainer.ctx.dp_group, self.trainer.model.group]
+
+    def to_device(self, inp: torch.Tensor, tar: torch.Tensor,
+                  validating: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only the tensors this rank's stages read go to its device: the input for the first
+        stage, the target for the last (in validation the last stage also reads the input, for
+        persistence). A middle stage on a GPU would otherwise copy a whole batch it never reads
+        every step; it keeps the host tensors, whose shapes are all it needs."""
+        t = self.trainer
+        nb = t.device.type == "cuda"
+        if t.model.is_first or (t.model.is_last and validating):
+            inp = inp.to(t.device, non_blocking=nb)
+        if t.model.is_last:
+            tar = tar.to(t.device, non_blocking=nb)
+        return inp, tar
+
+    def validated(self, result: dict[str, Any]) -> dict[str, Any]:
+        result["example"] = self.trainer.model.from_last_stage(result["example"])  # for rank 0's images
+        return result

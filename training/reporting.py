@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from distributed.sharding import local, local_optimizer
+from distributed.shards import local, local_optimizer
 from utils import device as dev
 
 if TYPE_CHECKING:  # imported where a writer is opened (rank 0 only): 0.15 s of every other rank's start

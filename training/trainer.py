@@ -1,11 +1,23 @@
 """The training loop, written once for train.py, train_graph.py and train_mp.py.
 
-:class:`Trainer` builds every component from a validated :class:`Config` and a
-:class:`~training.context.RunContext` (device, ranks, mesh, run directory), then
-:meth:`Trainer.fit` runs exactly ``num_iters`` optimizer steps with validation after
-every epoch. The model is the serial ViT made parallel from outside by
-distributed/parallelize.py, whatever the layout; variants that change the step
-subclass it (training/graphs.py: CUDA Graphs).
+Read this file top to bottom: :class:`EagerStep` is one training step (forward, loss, backward,
+optimizer step) and builds the model and optimizer it steps; :class:`Trainer` runs the epochs
+(:meth:`Trainer.fit`: ``num_iters`` optimizer steps, validation after every epoch, checkpoints).
+
+What a later lesson changes is a part the Trainer holds, never a subclass of it:
+
+* the **step variant** (``step=``), chosen once by the launcher: :class:`EagerStep` here; CUDA
+  graphs (training/graphs.py), pipeline stages (training/pipelined.py), DeepSpeed's engine
+  (training/deepspeed_engine.py) each extend the step and say what they change;
+* **callbacks** (``callbacks=``, :class:`Callback`): scripts that measure a run and tests that
+  inject faults hook into a few named moments (model built, step start and end, epoch end, fit
+  end);
+* the checkpoint: each part says what it saves and restores (``state_dict`` /
+  ``load_state_dict``), and training/checkpointing.py writes and reads them all at once.
+
+A run on one device builds the serial ViT and torch's optimizer right here. Runs that split the
+model or the data over ranks (or compile it, or recompute activations) hand the serial model to
+distributed/parallelize.py, which the first lesson never imports.
 """
 
 from __future__ import annotations
@@ -14,20 +26,22 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from distributed import consolidate, sharding
 from distributed.env import all_reduce_max, all_reduce_sum, heartbeat
-from distributed.parallelize import parallelize, serial_values
 from distributed.stop import StopAgreement
-from distributed.tags import gradient_bytes, unwrap
 from networks.vit import build_vit, count_parameters
 from training import checkpointing, reporting, validation
+from training.callbacks import Callback
 from training.context import RunContext, TrainingError
+from training.schedule import make_lr_lambda
+from training.state import LoopState, ModelState
 from utils import attention
 from utils import checkpoint as ckpt
 from utils import device as dev
@@ -42,69 +56,225 @@ if TYPE_CHECKING:  # imported by the rank that writes (open_writer): 0.15 s of e
 log = logging.getLogger(__name__)
 
 
-def make_lr_lambda(cfg: Config):
-    """The learning rate of each step as a multiple of ``lr``: linear warmup over ``warmup`` steps,
-    then cosine decay to 0 at ``num_iters`` (or constant); or one cycle (Smith's one-cycle policy,
-    with cosine ramps as torch's OneCycleLR): up from lr / div over the first pct_start of the
-    steps, then down to lr / div / final_div at ``num_iters``. A pure function of the step, so a
-    resumed run continues the schedule exactly."""
-    if cfg.lr_schedule == "onecycle":
-        return onecycle_factor(cfg.num_iters, cfg.onecycle_pct_start, cfg.onecycle_div_factor,
-                               cfg.onecycle_final_div_factor)
+def optimizer_choice(cfg: Config,
+                     kernel: dict[str, bool]) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The optimizer class ``optimizer_type`` names and its settings. ``kernel``: Adam's, AdamW's
+    and SGD's implementation (fused or foreach, utils/device.py:adam_kernel)."""
+    name = cfg.optimizer_type
+    if name == "LAMB":  # the project's own (distributed/lamb.py): its norms may span the ranks' parts
+        from distributed.lamb import Lamb
 
-    def factor(step: int) -> float:
-        if cfg.warmup and step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        if cfg.lr_schedule == "constant":
-            return 1.0
-        progress = (step - cfg.warmup) / max(1, cfg.num_iters - cfg.warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
+        return Lamb, {"lr": cfg.lr, "betas": cfg.adam_betas, "weight_decay": cfg.weight_decay}
+    if name == "SGD":
+        return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
+                                 **kernel}
+    if name == "AdamW":
+        return torch.optim.AdamW, {"lr": cfg.lr, "betas": cfg.adam_betas, "weight_decay": cfg.weight_decay,
+                                   **kernel}
+    return torch.optim.Adam, {"lr": cfg.lr, "betas": cfg.adam_betas, **kernel}
 
 
-def onecycle_factor(total: int, pct_start: float, div: float, final_div: float):
-    first = 1.0 / div
-    last = first / final_div
-    rise = max(1, round(pct_start * total))
-
-    def ramp(start: float, end: float, progress: float) -> float:  # cosine from start to end
-        return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    def factor(step: int) -> float:
-        if step < rise:
-            return ramp(first, 1.0, step / rise)
-        return ramp(1.0, last, (step - rise) / max(1, total - rise))
-
-    return factor
+def needs_parallelize(cfg: Config, ctx: RunContext) -> bool:
+    """Whether the serial model must go through distributed/parallelize.py: more than one rank,
+    or a transformation it applies (compile, activation checkpointing, expert parallelism)."""
+    return (ctx.mesh.world_size > 1 or cfg.enable_jit or cfg.activation_checkpointing != "none"
+            or cfg.expert_parallel > 1)
 
 
-class Trainer:
-    def __init__(self, cfg: Config, ctx: RunContext, local_batch: int) -> None:
-        self.cfg, self.ctx, self.local_batch = cfg, ctx, local_batch
+class EagerStep:
+    """One training step, run eagerly: forward, loss, backward, optimizer step. It builds what it
+    steps (the model on this rank, the optimizer) and says what of them a checkpoint holds.
+
+    The variants of later lessons subclass this part and change what differs: CUDA graphs
+    (training/graphs.py), pipeline stages (training/pipelined.py), DeepSpeed's engine
+    (training/deepspeed_engine.py)."""
+
+    autocast_cache = True  # CUDA graph capture needs it off
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    @classmethod
+    def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
+        """Refuse, in one line (ValueError), a configuration this step cannot run."""
         if local_batch % cfg.grad_accum_steps:
             raise ValueError(f"the local batch of {local_batch} samples does not split into "
                              f"--grad_accum_steps {cfg.grad_accum_steps} equal micro-batches; choose a "
                              f"number of micro-batches that divides it")
+
+    # ------------------------------------------------------------------ building ---
+    def build_model(self) -> nn.Module:
+        """The serial ViT with the weights every layout starts from (drawn from the seed)."""
+        t = self.trainer
+        if needs_parallelize(t.cfg, t.ctx):
+            return self.build_parallel_model()
+        with torch.device("meta"):  # shapes only: no memory, no random numbers drawn
+            model = build_vit(t.cfg)
+        t.n_params = count_parameters(model)
+        model = model.to_empty(device=t.device)  # memory on the device, not yet initialised
+        model.reset_parameters(torch.Generator().manual_seed(t.cfg.seed))
+        return model
+
+    def build_parallel_model(self) -> nn.Module:
+        """The serial model on the meta device (shapes, no memory), then this rank's part of it,
+        allocated and filled with the serial model's values from the seed (part 6)."""
+        from distributed.parallelize import parallelize, serial_values
+
+        t = self.trainer
+        with torch.device("meta"):
+            serial = build_vit(t.cfg)
+        t.n_params = count_parameters(serial)
+        model = parallelize(serial, t.ctx.mesh, t.cfg, t.device, serial_values(serial, t.cfg.seed))
+        if t.ctx.mesh.model_parallel:
+            log.info("%s; this rank holds %d of the model's %d parameters", t.ctx.mesh.describe(),
+                     count_parameters(unwrap(model)), t.n_params)
+        return model
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        t = self.trainer
+        optimizer_class, options = optimizer_choice(t.cfg, dev.adam_kernel(t.cfg.enable_fused))
+        if t.ctx.mesh.world_size == 1:
+            return optimizer_class(t.model.parameters(), **options)
+        from distributed import sharding  # ZeRO-1's sharded state, LAMB's norms over the ranks' parts
+
+        return sharding.build_optimizer(t.model, optimizer_class, options, t.cfg, t.ctx.mesh)
+
+    # --------------------------------------------------------------------- steps ---
+    def compute(self, cache_enabled: bool = True) -> contextlib.ExitStack:
+        """Where forward passes run: autocast to the run's precision, and its attention kernel
+        (backward follows the kernels that forward chose)."""
+        t = self.trainer
+        region = contextlib.ExitStack()
+        region.enter_context(dev.autocast(t.device, t.amp_mode, cache_enabled=cache_enabled))
+        region.enter_context(attention.kernel(t.attention_kernel))
+        return region
+
+    def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) input and target -> the loss, a device scalar."""
+        t = self.trainer
+        with self.compute(cache_enabled=self.autocast_cache):
+            pred = t.model(inp)
+        return t.loss_fn(pred.float(), tar)
+
+    def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        """One optimizer step; returns the loss as a device tensor (no host sync).
+
+        With ``grad_accum_steps`` N the batch runs as N micro-batches whose gradients add up;
+        each loss is divided by N (the mean over the whole batch, as one big batch would give)
+        and only the last micro-batch's backward reduces gradients over the ranks."""
+        t = self.trainer
+        n = t.cfg.grad_accum_steps
+        total = torch.zeros((), device=t.device)
+        for i, (x, y) in enumerate(zip(inp.chunk(n), tar.chunk(n))):
+            with self.gradient_sync(enabled=i == n - 1):
+                t.mark("forward")
+                with dev.nvtx_range("forward"):
+                    loss = self.forward_loss(x, y) / n
+                    objective = loss + t.balancing_loss() / n  # the loss alone is logged
+                t.mark("backward")
+                with dev.nvtx_range("backward"):
+                    (t.scaler.scale(objective) if t.scaler else objective).backward()
+            total += loss.detach()
+        self.optimizer_step()
+        t.record_experts()
+        return total
+
+    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Accumulation's micro-batches before the last: backward without reducing gradients."""
+        if enabled:
+            return contextlib.nullcontext()
+        from distributed import sharding
+
+        return sharding.gradient_sync(self.trainer.model, enabled=False)
+
+    def optimizer_step(self) -> None:
+        t = self.trainer
+        t.mark("optimizer step")
+        with dev.nvtx_range("optimizer"):
+            if t.cfg.grad_clip_norm:
+                t.clip_gradients()
+            if t.scaler:
+                t.scaler.step(t.optimizer)
+                t.scaler.update()
+            else:
+                t.optimizer.step()
+            t.optimizer.zero_grad(set_to_none=True)
+            t.scheduler.step()
+
+    def predict(self, inp: torch.Tensor) -> torch.Tensor | None:
+        with self.compute():
+            return self.trainer.model(inp)
+
+    def to_device(self, inp: torch.Tensor, tar: torch.Tensor,
+                  validating: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        nb = self.trainer.device.type == "cuda"  # pinned batches: the copy runs asynchronously
+        return inp.to(self.trainer.device, non_blocking=nb), tar.to(self.trainer.device, non_blocking=nb)
+
+    # ---------------------------------------------------------------- validation ---
+    def metric_groups(self) -> list[Any]:
+        """The process groups over which validation sums its metrics."""
+        return [self.trainer.ctx.dp_group]
+
+    def gathers_in_forward(self) -> bool:
+        """Collectives in every forward (FSDP's gathers, experts' all-to-all): the ranks must run
+        as many validation batches."""
+        t = self.trainer
+        return t.fsdp_active or t.ctx.mesh.expert_parallel > 1
+
+    def validated(self, result: dict[str, Any]) -> dict[str, Any]:
+        """Validation's result, for rank 0's log (a pipeline sends the example image there)."""
+        return result
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds by kind (training/reporting.py)."""
+        return reporting.held_bytes(self.trainer.model, self.trainer.optimizer)
+
+    def run_started(self) -> None:
+        """The run directory is locked and training starts (DeepSpeed writes its config here)."""
+
+    # the part of a checkpoint that holds the model and the optimizer: consolidated whole tensors
+    # (training/state.py); a variant that holds them otherwise brings its own
+    state_class: type[ModelState] = ModelState
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (or the model itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+class Trainer:
+    """Builds every component from a validated :class:`Config` and a
+    :class:`~training.context.RunContext` (device, ranks, mesh, run directory) and runs the
+    epochs. ``step``: the step variant's class (default :class:`EagerStep`); ``callbacks``:
+    hooks at named moments (:class:`Callback`)."""
+
+    def __init__(self, cfg: Config, ctx: RunContext, local_batch: int, step: type[EagerStep] = EagerStep,
+                 callbacks: Sequence[Callback] = ()) -> None:
+        step.check(cfg, ctx, local_batch)
+        self.cfg, self.ctx, self.local_batch = cfg, ctx, local_batch
+        self.callbacks = list(callbacks)
         self.device = ctx.device
         dev.seed_all(cfg.seed)
         dev.configure_matmul(self.device)
         self.train_data = self.build_data("train", train=True)
         self.valid_data = self.build_data("valid", train=False)
-        self.n_params = 0  # of the whole (serial) model, set by build_model
-        self.model = self.build_model()
+        self.fsdp_active = cfg.data_parallel in ("fsdp", "hsdp") and ctx.mesh.dp_size > 1
+        # bf16 under FSDP comes from its mixed-precision policy (bf16 copies of the gathered
+        # weights, fp32 master weights and gradient reduction), not from autocast
+        self.amp_mode = "none" if self.fsdp_active and cfg.amp_mode == "bf16" else cfg.amp_mode
+        self.attention_kernel = self.choose_attention_kernel()  # a resumed run keeps its own
+        self.loss_fn = torch.compile(relative_l2_loss) if cfg.enable_jit else relative_l2_loss
+        self.n_params = 0  # of the whole (serial) model, set by the step's build_model
+        self.variant = step(self)
+        self.model = self.variant.build_model()
         self.raw_model = unwrap(self.model)
         # mixture-of-experts layers (networks/moe.py): their balancing loss joins the training loss
         self.moe_layers = [m for m in self.raw_model.modules() if hasattr(m, "aux_loss")] \
             if isinstance(self.raw_model, nn.Module) else []  # (a pipeline's stages: no experts)
         # per step: each layer's shares (layers, experts + 1) and balancing loss (layers,)
         self.moe_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.amp_mode = sharding.autocast_mode(cfg, ctx.mesh)  # FSDP's bf16 is its own policy
-        self.attention_kernel = self.choose_attention_kernel()  # a resumed run keeps its own
-        # FSDP alone writes sharded checkpoints; with tp its tensors are tp slices, consolidated
-        self.sharded_checkpoints = sharding.fsdp_active(cfg, ctx.mesh) and not ctx.mesh.model_parallel
-        self.loss_fn = torch.compile(relative_l2_loss) if cfg.enable_jit else relative_l2_loss
-        self.optimizer = self.build_optimizer()
+        self.optimizer = self.variant.build_optimizer()
+        self.weights = self.variant.state_class(self)  # the model and optimizer in a checkpoint
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg))
         self.scaler = dev.make_grad_scaler(self.device, cfg.amp_mode)
         self.lat_weights = latitude_weights(cfg.img_size[0], self.device)
@@ -125,13 +295,15 @@ class Trainer:
 
             mesh = ctx.mesh
             self.heartbeat.collectives = collectives_by_phase(
-                ddp=hasattr(self.model, "no_sync"), fsdp=sharding.fsdp_active(cfg, mesh),
+                ddp=hasattr(self.model, "no_sync"), fsdp=self.fsdp_active,
                 zero1=cfg.data_parallel == "zero1" and mesh.dp_size > 1, model_parallel=mesh.model_parallel,
                 pipeline=cfg.pipeline_parallel > 1, clipping=bool(cfg.grad_clip_norm))
         # the process's peak memory up to here (model built, sharded, data loaders started), for
         # the first metrics record: a model that cannot fit one device must not be built whole
         peak = dev.peak_memory_bytes(self.device) or dev.process_peak_rss_bytes()
         self.build_peak_MiB: float | None = peak / 2**20
+        for callback in self.callbacks:
+            callback.model_built(self)
 
     # ------------------------------------------------------------------ building ---
     def build_data(self, split: str, train: bool) -> Batches:
@@ -146,70 +318,19 @@ class Trainer:
             shard_id=self.ctx.dp_rank, pin_memory=pin)
         return Batches(loader, sampler, pin_memory=pin)
 
-    def build_model(self) -> nn.Module:
-        """The serial model on the meta device (shapes, no memory), then this rank's part of it,
-        allocated and filled with the serial model's values from the seed (the same weights in
-        every layout)."""
-        with torch.device("meta"):
-            serial = build_vit(self.cfg)
-        self.n_params = count_parameters(serial)
-        model = parallelize(serial, self.ctx.mesh, self.cfg, self.device,
-                            serial_values(serial, self.cfg.seed))
-        if self.ctx.mesh.model_parallel:
-            log.info("%s; this rank holds %d of the model's %d parameters", self.ctx.mesh.describe(),
-                     count_parameters(unwrap(model)), self.n_params)
-        return model
-
     def choose_attention_kernel(self) -> str:
         """The attention kernel for this run's device and precision (utils/attention.py)."""
         _, kv_len = attention.call_shape(self.cfg, self.local_batch)
         dtype = dev.AMP_DTYPES[self.cfg.amp_mode] or torch.float32
         return attention.choose(self.cfg.attention_kernel, self.device, dtype, kv_len)
 
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        return sharding.build_optimizer(self.model, self.cfg, self.ctx.mesh,
-                                        dev.adam_kernel(self.cfg.enable_fused))
-
     # --------------------------------------------------------------------- steps ---
-    autocast_cache = True  # CUDA graph capture needs it off
-
-    def compute(self, cache_enabled: bool = True) -> contextlib.ExitStack:
-        """Where forward passes run: autocast to the run's precision, and its attention kernel
-        (backward follows the kernels that forward chose)."""
-        region = contextlib.ExitStack()
-        region.enter_context(dev.autocast(self.device, self.amp_mode, cache_enabled=cache_enabled))
-        region.enter_context(attention.kernel(self.attention_kernel))
-        return region
+    def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        """One optimizer step of this run's step variant; the loss as a device tensor."""
+        return self.variant.train_step(inp, tar)
 
     def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        with self.compute(cache_enabled=self.autocast_cache):
-            pred = self.model(inp)
-        return self.loss_fn(pred.float(), tar)
-
-    def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        """One optimizer step; returns the loss as a device tensor (no host sync).
-
-        With ``grad_accum_steps`` N the batch runs as N micro-batches whose gradients add up;
-        each loss is divided by N (the mean over the whole batch, as one big batch would give)
-        and only the last micro-batch's backward reduces gradients over the ranks."""
-        n = self.cfg.grad_accum_steps
-        total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(zip(inp.chunk(n), tar.chunk(n))):
-            with sharding.gradient_sync(self.model, enabled=i == n - 1):
-                self.mark("forward")
-                with dev.nvtx_range("forward"):
-                    loss = self.forward_loss(x, y) / n
-                    objective = loss + self.balancing_loss() / n  # the loss alone is logged
-                self.mark("backward")
-                with dev.nvtx_range("backward"):
-                    (self.scaler.scale(objective) if self.scaler else objective).backward()
-            total += loss.detach()
-        self.optimizer_step()
-        if self.moe_layers:  # what each expert got in the step's (last) micro-batch, for the logs:
-            # shares (host) and the balancing loss (device: no host sync here, one per epoch)
-            self.moe_stats.append((torch.stack([m.stats for m in self.moe_layers]),
-                                   torch.stack([m.aux_loss.detach() for m in self.moe_layers])))
-        return total
+        return self.variant.forward_loss(inp, tar)
 
     def balancing_loss(self) -> torch.Tensor | float:
         """The mixture of experts' load-balancing loss of the last forward, weighted (0 without experts)."""
@@ -217,18 +338,12 @@ class Trainer:
             return 0.0
         return self.cfg.moe_aux_weight * sum(m.aux_loss for m in self.moe_layers)
 
-    def optimizer_step(self) -> None:
-        self.mark("optimizer step")
-        with dev.nvtx_range("optimizer"):
-            if self.cfg.grad_clip_norm:
-                self.clip_gradients()
-            if self.scaler:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
+    def record_experts(self) -> None:
+        """What each expert got in the step's (last) micro-batch, for the logs: shares (host) and
+        the balancing loss (device: no host sync here, one per epoch)."""
+        if self.moe_layers:
+            self.moe_stats.append((torch.stack([m.stats for m in self.moe_layers]),
+                                   torch.stack([m.aux_loss.detach() for m in self.moe_layers])))
 
     def clip_gradients(self) -> None:
         """Scale the gradients so that the whole model's gradient norm is at most grad_clip_norm,
@@ -242,8 +357,7 @@ class Trainer:
                                                        self.ctx.mesh))
 
     def to_device(self, inp: torch.Tensor, tar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        nb = self.device.type == "cuda"
-        return inp.to(self.device, non_blocking=nb), tar.to(self.device, non_blocking=nb)
+        return self.variant.to_device(inp, tar)
 
     def train_epoch(self, epoch: int, start_batch: int) -> int:
         """Train from ``start_batch`` to the end of the epoch or of training; returns steps run."""
@@ -260,7 +374,12 @@ class Trainer:
                 with reporting.compile_notice(self.device, self.cfg.enable_jit and
                                               self.step == self._steps_at_start):
                     self.mark("forward")  # (a pipelined step marks nothing finer)
-                    self.epoch_loss += self.train_step(inp, tar)
+                    for callback in self.callbacks:
+                        callback.step_start(self)
+                    loss = self.train_step(inp, tar)
+                    for callback in self.callbacks:
+                        loss = callback.step_end(self, loss) or loss
+                    self.epoch_loss += loss
             del inp, tar
             self.train_data.give_back(*batch)  # the step is over: the loader may reuse its memory
             self.step += 1
@@ -281,76 +400,52 @@ class Trainer:
         every = self.cfg.checkpoint_every
         return bool(every) and self.step % every == 0 and self.step < self.cfg.num_iters
 
-    def predict(self, inp: torch.Tensor) -> torch.Tensor | None:
-        with self.compute():
-            return self.model(inp)
-
-    def metric_groups(self) -> list[Any]:
-        """The process groups over which validation sums its metrics."""
-        return [self.ctx.dp_group]
-
     def validate(self) -> dict[str, Any]:
         """Loss and RMSE over every validation sample of every data-parallel rank."""
         self.model.eval()
         self.mark("validation")
         self.valid_data.set_epoch(0)
         pad_to = 0
-        if self.gathers_in_forward():  # every dp rank runs as many batches
+        if self.variant.gathers_in_forward():  # every dp rank runs as many batches
             most = torch.tensor(float(self.valid_data.batches_per_epoch), device=self.device)
             pad_to = int(all_reduce_max(most, self.ctx.dp_group).item())
-        batches = (self.to_device(inp, tar) for inp, tar in self.valid_data)
-        return validation.evaluate(self.predict, batches, self.cfg.n_out_channels, self.lat_weights,
-                                   self.metric_groups(), pad_to)
-
-    def gathers_in_forward(self) -> bool:  # collectives in every forward: FSDP's gathers, experts' all-to-all
-        return sharding.fsdp_active(self.cfg, self.ctx.mesh) or self.ctx.mesh.expert_parallel > 1
+        batches = (self.variant.to_device(inp, tar, validating=True) for inp, tar in self.valid_data)
+        result = validation.evaluate(self.variant.predict, batches, self.cfg.n_out_channels, self.lat_weights,
+                                     self.variant.metric_groups(), pad_to)
+        return self.variant.validated(result)
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds by kind (training/reporting.py; "step_gradients": a step's, if not
         as many as the trainable parameters)."""
-        return reporting.held_bytes(self.model, self.optimizer)
+        return self.variant.held_bytes()
 
     # --------------------------------------------------------------- checkpoints ---
     @property
     def checkpoint_path(self) -> Path:
         return self.ctx.run_dir / ckpt.CHECKPOINT_NAME
 
-    # consolidated: whole tensors with the serial names, whatever the layout (collectives over tp)
-    # (expert parallel: every rank's experts too, broadcast by their owners, distributed/experts.py)
     def model_state(self) -> dict[str, torch.Tensor]:
-        state = consolidate.full_state(self.raw_model, self.ctx.mesh)
-        if self.ctx.mesh.expert_parallel > 1:
-            state = self.experts().full_model_state(self.raw_model, self.ctx.mesh, state)
-        return state
+        """The whole model's weights with the serial names (collective over the ranks)."""
+        return self.weights.model_state()
 
-    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        if self.ctx.mesh.expert_parallel > 1:
-            state = self.experts().local_model_state(self.raw_model, state)
-        consolidate.load_full_state(self.raw_model, state, self.ctx.mesh)
-
-    def optimizer_state(self) -> dict[str, Any]:
-        state = consolidate.full_optimizer_state(self.optimizer, self.ctx.mesh)
-        if self.ctx.mesh.expert_parallel > 1:
-            state = self.experts().full_optimizer_state(self.raw_model, self.ctx.mesh, state)
-        return state
-
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        if self.ctx.mesh.expert_parallel > 1:
-            state = self.experts().local_optimizer_state(self.raw_model, state)
-        consolidate.load_full_optimizer_state(self.optimizer, state, self.ctx.mesh)
-
-    @staticmethod
-    def experts() -> Any:
-        from distributed import experts  # loaded by expert-parallel runs only
-
-        return experts
+    def checkpoint_parts(self) -> list[Any]:
+        """What a checkpoint holds, part by part (each a state_dict / load_state_dict pair over its
+        own keys of the checkpoint): this Trainer's progress first (it refuses a NaN), the model
+        and optimizer (the step variant's, training/state.py), the schedule, the loss
+        scaler, the random generators, the configuration."""
+        return [LoopState(self), self.weights, checkpointing.ScheduleState(self.scheduler),
+                checkpointing.ScalerState(self.scaler), checkpointing.RandomState(self.device),
+                checkpointing.ConfigRecord(self.cfg)]
 
     def save_checkpoint(self) -> None:
         self.mark("checkpoint")
-        checkpointing.save(self)
+        checkpointing.save(self.ctx.run_dir, self.checkpoint_parts(), self.step, self.ctx.is_main,
+                           shards=self.weights if self.weights.sharded else None)
 
     def load_checkpoint(self, path: Path) -> None:
-        checkpointing.load(self, path)
+        checkpointing.load(path, self.checkpoint_parts(),
+                           shards=self.weights if self.weights.sharded else None)
+        log.info("resumed from %s at step %d", path, self.step)
 
     def mark(self, phase: str) -> None:
         """Where this rank is in its work, for the diagnosis of a hang (distributed/health.py)."""
@@ -379,9 +474,12 @@ class Trainer:
         self.moe_stats = []
         if experts is not None:  # per layer: each expert's share of the assignments, dropped, aux loss
             extra["moe"] = experts.mean(dim=0).tolist()
-        sent = gradient_bytes(self.model, steps)  # DDP's gradient all-reduce (compressed or not)
-        if sent is not None and steps:
-            extra["grad_comm_bytes_per_step"] = sent / steps
+        if self.ctx.mesh.world_size > 1:  # DDP's gradient all-reduce (compressed or not)
+            from distributed.tags import gradient_bytes
+
+            sent = gradient_bytes(self.model, steps)
+            if sent is not None and steps:
+                extra["grad_comm_bytes_per_step"] = sent / steps
         reporting.log_epoch(self.writer, self.ctx.run_dir, epoch, self.step, seconds, samples, steps,
                             train_loss, val, val_seconds, self.optimizer.param_groups[0]["lr"], memory,
                             norms, extra)
@@ -411,6 +509,7 @@ class Trainer:
                 log.info("this run already took all %d steps; to train again, pass another --run_num "
                          "(or --num_iters N to train it further)", self.cfg.num_iters)
                 return {}
+        self.variant.run_started()
         if self.ctx.is_main:
             checkpointing.remove_temp_files(self.ctx.run_dir)
             checkpointing.trim_metrics(self.ctx.run_dir, self.step)
@@ -433,6 +532,8 @@ class Trainer:
                 val_start = time.time()
                 val = self.validate()
                 self.log_epoch(epoch, seconds, steps, train_loss, val, time.time() - val_start)
+                for callback in self.callbacks:
+                    callback.epoch_end(self, epoch)
             if self.stopped_early:
                 log.warning("stop signal (%s): stopping at step %d of %d to checkpoint",
                             received() or "received by another rank", self.step, self.cfg.num_iters)
@@ -444,4 +545,6 @@ class Trainer:
             self.save_checkpoint()
         if self.writer is not None:
             self.writer.close()
+        for callback in self.callbacks:
+            callback.fit_end(self)
         return val

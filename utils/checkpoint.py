@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +55,13 @@ def load(path: Path, map_location: str | torch.device = "cpu", mmap: bool = Fals
         return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     except Exception as err:  # a truncated or foreign file: say which and what to do
         raise ValueError(f"checkpoint {path} cannot be read ({err}); delete it to start over") from err
+
+
+def check_names(expected: Iterable[str], state: dict[str, torch.Tensor]) -> None:
+    """A model's checkpoint must hold exactly the serial model's parameters."""
+    expected = set(expected)
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit this model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}); was it written for another model size?")

@@ -1,0 +1,193 @@
+"""The Trainer's parts of a checkpoint (the contract of training/checkpointing.py: each part owns
+some keys of the checkpoint and saves and restores them with ``state_dict`` / ``load_state_dict``).
+
+:class:`LoopState`, the loop's own progress: "step", "epoch_loss_sum", "epoch_loss_ranks",
+"epoch_steps", "attention_kernel". It refuses to save a NaN or infinite loss or weight.
+
+:class:`ModelState`, the model and the optimizer: "model" and "optimizer". Whole tensors with
+the serial model's names, whatever the layout: on one device the model's and optimizer's own
+state, copied to host memory; on several ranks consolidated (collectives over tp, and over dp
+for FSDP's shards; expert parallel: every rank's experts too, distributed/experts.py). FSDP
+alone writes sharded checkpoints instead (with tp its tensors are tp slices: consolidated).
+Step variants that hold the model otherwise bring their own subclass (training/pipelined.py,
+training/deepspeed_engine.py, training/graphs.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distributed.env import all_reduce_sum
+from training import checkpointing
+from training.context import TrainingError
+from utils import attention
+from utils import checkpoint as ckpt
+
+log = logging.getLogger(__name__)
+
+
+class LoopState:
+    """The loop's own state: the step, the epoch's running loss, the attention kernel chosen."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer  # training/trainer.py's Trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: the loss is summed over the data-parallel ranks. A NaN or infinite loss or
+        weight is refused on every rank alike: it would replace the last good checkpoint with one
+        no rerun can recover from."""
+        t = self.trainer
+        epoch_loss = all_reduce_sum(t.epoch_loss.clone(), t.ctx.dp_group).item()
+        refuse_unsound(epoch_loss, t.raw_model.parameters(), t.device, t.step, t.ctx.run_dir)
+        return {
+            "step": t.step,
+            "attention_kernel": t.attention_kernel,
+            "epoch_loss_sum": epoch_loss,  # summed over data-parallel ranks...
+            "epoch_loss_ranks": t.ctx.dp_size,  # ...of which there were this many
+            "epoch_steps": t.epoch_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        t.step = state["step"]
+        t.attention_kernel = kept_attention_kernel(t.cfg.attention_kernel, t.attention_kernel,
+                                                   state.get("attention_kernel"), t.device)
+        # the epoch's loss sum so far goes to one rank, so the epoch-end reduction counts it once;
+        # rescaled from the data-parallel ranks that summed it to those that will average it
+        ranks = state.get("epoch_loss_ranks", t.ctx.dp_size)
+        loss_sum = state["epoch_loss_sum"] * t.ctx.dp_size / ranks
+        t.epoch_loss.fill_(loss_sum if t.ctx.dp_rank == 0 else 0.0)
+        t.epoch_steps = state["epoch_steps"]
+
+
+def refuse_unsound(epoch_loss_sum: float, params: Any, device: torch.device, step: int,
+                   run_dir: Path) -> None:
+    """Raise TrainingError, on every rank alike, if the loss or any weight is not finite."""
+    from distributed.shards import local
+
+    # each parameter's finiteness on its own device (offloaded shards live in host memory),
+    # gathered on the trainer's: one host sync, below
+    finite = torch.stack([torch.isfinite(local(p)).all().to(device) for p in params])
+    bad = torch.stack([torch.tensor(not math.isfinite(epoch_loss_sum), device=device),
+                       (~finite).any()]).float()
+    all_reduce_sum(bad)  # over every rank: shards differ, the decision must not
+    if bad.any():
+        what = "training loss" if bad[0] else "model weights"
+        last = checkpointing.find(run_dir)
+        kept = f"the last good checkpoint ({last}) is kept" if last else "no checkpoint was written"
+        raise TrainingError(f"the {what} at step {step} is not finite (NaN or inf): not writing "
+                            f"a checkpoint, {kept}; lower the learning rate or check the data")
+
+
+def kept_attention_kernel(setting: str, current: str, saved: str | None, device: torch.device) -> str:
+    """With ``attention_kernel: auto``, a resumed run continues on the kernel it chose when it
+    started (timed again, it could come out otherwise and the resumed run would not be exact)."""
+    if setting != "auto" or saved in (None, current):
+        return current
+    if saved in attention.CUDA_ONLY and device.type != "cuda":
+        return current  # a GPU run continued on a CPU: keep this device's own choice
+    log.info("attention kernel %s, as the run chose at its start", saved)
+    return saved
+
+
+class ModelState:
+    """The model's and optimizer's state (``state_dict`` / ``load_state_dict``), and FSDP's shards."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer  # training/trainer.py's Trainer: its model, optimizer, mesh
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP alone writes sharded checkpoints (with tp its tensors are tp slices: consolidated)."""
+        t = self.trainer
+        return t.fsdp_active and not t.ctx.mesh.model_parallel
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model_state(), "optimizer": self.optimizer_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if any(name.endswith(".attn.q.weight") for name in state["model"]):  # separate q, k, v
+            from training.upgrade import upgrade_checkpoint  # older checkpoints' layout
+
+            state = upgrade_checkpoint(state, self.trainer.cfg.num_heads)
+        self.load_model_state(state["model"])
+        checkpointing.keep_kernel_flags(self.trainer.optimizer,
+                                        lambda: self.load_optimizer_state(state["optimizer"]))
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        t = self.trainer
+        if t.ctx.mesh.world_size == 1:  # one device: the weights as they are, copied to host memory
+            return {name: p.detach().to("cpu", copy=True) for name, p in t.raw_model.named_parameters()}
+        from distributed import consolidate
+
+        state = consolidate.full_state(t.raw_model, t.ctx.mesh)
+        if t.ctx.mesh.expert_parallel > 1:
+            state = experts().full_model_state(t.raw_model, t.ctx.mesh, state)
+        return state
+
+    @torch.no_grad()
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        t = self.trainer
+        if t.ctx.mesh.world_size > 1:
+            from distributed import consolidate
+
+            if t.ctx.mesh.expert_parallel > 1:
+                state = experts().local_model_state(t.raw_model, state)
+            consolidate.load_full_state(t.raw_model, state, t.ctx.mesh)
+            return
+        own = dict(t.raw_model.named_parameters())
+        ckpt.check_names(own, state)
+        for name, p in own.items():
+            if state[name].shape != p.shape:
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(state[name].shape)}, which "
+                                 f"does not fit this model; was it written for another model size?")
+            p.copy_(state[name])
+
+    def optimizer_state(self) -> dict[str, Any]:
+        t = self.trainer
+        if t.ctx.mesh.world_size == 1:  # Adam's moments copied to host memory, its step counts kept
+            state = t.optimizer.state_dict()
+            state["state"] = {i: {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) and v.dim() else v
+                                  for k, v in s.items()} for i, s in state["state"].items()}
+            return state
+        from distributed import consolidate
+
+        state = consolidate.full_optimizer_state(t.optimizer, t.ctx.mesh)
+        if t.ctx.mesh.expert_parallel > 1:
+            state = experts().full_optimizer_state(t.raw_model, t.ctx.mesh, state)
+        return state
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        if t.ctx.mesh.world_size == 1:
+            t.optimizer.load_state_dict(state)
+            return
+        from distributed import consolidate
+
+        if t.ctx.mesh.expert_parallel > 1:
+            state = experts().local_optimizer_state(t.raw_model, state)
+        consolidate.load_full_optimizer_state(t.optimizer, state, t.ctx.mesh)
+
+    def shards(self) -> dict[str, Any]:
+        """FSDP: this rank's shards of the model and optimizer, for a sharded checkpoint."""
+        from training import sharded_checkpoint as sharded
+
+        return sharded.model_and_optimizer(self.trainer.raw_model, self.trainer.optimizer)
+
+    def load_shards(self, path: Path) -> None:
+        from training import sharded_checkpoint as sharded
+
+        t = self.trainer
+        checkpointing.keep_kernel_flags(t.optimizer,
+                                        lambda: sharded.load_into(path, t.raw_model, t.optimizer))
+
+
+def experts() -> Any:
+    from distributed import experts  # loaded by expert-parallel runs only
+
+    return experts
