@@ -86,6 +86,68 @@ def test_graph_capture_is_thread_local_on_the_given_stream(monkeypatch):
     assert seen == {"graph": "g", "stream": "s", "capture_error_mode": "thread_local"}
 
 
+def test_finiteness_of_weights_held_elsewhere_is_gathered_on_the_trainers_device():
+    """FSDP's CPU offload keeps shards in host memory while the trainer's device is a GPU: each
+    answer moves to the device before they are stacked (the meta device stands in for the GPU)."""
+    from training.state import unsound_flags
+
+    host = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    flags = unsound_flags(1.0, host, torch.device("meta"))
+    assert flags.device.type == "meta" and flags.shape == (2,)
+    assert unsound_flags(float("nan"), host, torch.device("cpu")).tolist() == [1.0, 0.0]
+
+
+def test_a_graph_runs_checkpoint_resumes_in_train_py(cfg_factory, tmp_path):
+    """train_graph.py saves the learning rate as a (GPU) tensor; train.py's foreach Adam refuses a
+    tensor rate: the loaded rates become numbers again (rates written as CPU tensors here)."""
+    from training.context import RunContext
+    from training.trainer import Trainer
+
+    cfg = cfg_factory(num_iters=4, limit_nsamples=8)
+    first = Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path / "a"), 2)
+    batches = list(first.train_data)
+    first.train_step(*batches[0])
+    first.step = 1
+    first.save_checkpoint()
+    state = torch.load(first.checkpoint_path, weights_only=False)
+    group = state["optimizer"]["param_groups"][0]
+    group["lr"], group["initial_lr"] = torch.tensor(group["lr"]), torch.tensor(group["initial_lr"])
+    state["scheduler"]["base_lrs"] = [torch.tensor(x) for x in state["scheduler"]["base_lrs"]]
+    state["scheduler"]["_last_lr"] = [torch.tensor(x) for x in state["scheduler"]["_last_lr"]]
+    torch.save(state, first.checkpoint_path)
+    second = Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path / "a"), 2)
+    assert second.optimizer.param_groups[0]["foreach"]
+    second.load_checkpoint(second.checkpoint_path)
+    for _ in range(2):  # the scheduler's rates, not only the optimizer's, must be numbers
+        second.train_step(*batches[1])
+    assert isinstance(second.optimizer.param_groups[0]["lr"], float)
+
+
+def test_train_graph_builds_the_optimizer_the_run_asks_for(cfg_factory):
+    """AdamW with its weight decay (not plain Adam, whatever the flags), capturable, its rate a
+    tensor; optimizers without a capturable kernel are refused in one line."""
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    opt = graphs.capturable_optimizer(params, cfg_factory(optimizer_type="AdamW", weight_decay=0.05),
+                                      torch.device("cpu"))
+    group = opt.param_groups[0]
+    assert type(opt) is torch.optim.AdamW and group["weight_decay"] == 0.05 and group["capturable"]
+    assert torch.is_tensor(group["lr"])
+    for name in ("SGD", "LAMB"):
+        with pytest.raises(ValueError, match=f"run --optimizer {name} with train.py"):
+            graphs.GraphStep.check(cfg_factory(optimizer_type=name), None, 4)
+
+
+def test_deepspeed_is_told_the_gpu_this_rank_uses():
+    """Under srun --gpus-per-task=1 each task sees one GPU, cuda:0, whatever its local rank:
+    DeepSpeed's LOCAL_RANK must name that GPU, not the task's place on the node."""
+    from training.context import RunContext
+    from training.deepspeed_engine import launcher_env
+
+    ctx = RunContext(device=torch.device("cuda", 0), run_dir=None, rank=7, world_size=8, local_rank=3)
+    assert launcher_env(ctx, torch.device("cuda", 0)) == {"RANK": "7", "LOCAL_RANK": "0", "WORLD_SIZE": "8"}
+    assert launcher_env(ctx, torch.device("cpu"))["LOCAL_RANK"] == "3"
+
+
 def test_loading_optimizer_state_keeps_the_lr_tensor():
     """A captured graph reads the lr tensor at a fixed address: it must survive a resume."""
     param = torch.nn.Parameter(torch.zeros(2))

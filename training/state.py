@@ -68,20 +68,25 @@ class LoopState:
 def refuse_unsound(epoch_loss_sum: float, params: Any, device: torch.device, step: int,
                    run_dir: Path) -> None:
     """Raise TrainingError, on every rank alike, if the loss or any weight is not finite."""
-    from distributed.shards import local
-
-    # each parameter's finiteness on its own device (offloaded shards live in host memory),
-    # gathered on the trainer's: one host sync, below
-    finite = torch.stack([torch.isfinite(local(p)).all().to(device) for p in params])
-    bad = torch.stack([torch.tensor(not math.isfinite(epoch_loss_sum), device=device),
-                       (~finite).any()]).float()
+    bad = unsound_flags(epoch_loss_sum, params, device)
     all_reduce_sum(bad)  # over every rank: shards differ, the decision must not
-    if bad.any():
+    if bad.any():  # one host sync
         what = "training loss" if bad[0] else "model weights"
         last = checkpointing.find(run_dir)
         kept = f"the last good checkpoint ({last}) is kept" if last else "no checkpoint was written"
         raise TrainingError(f"the {what} at step {step} is not finite (NaN or inf): not writing "
                             f"a checkpoint, {kept}; lower the learning rate or check the data")
+
+
+def unsound_flags(epoch_loss_sum: float, params: Any, device: torch.device) -> torch.Tensor:
+    """[loss not finite, some weight not finite] as floats on ``device``. Each parameter is
+    checked where it lives (FSDP's offloaded shards in host memory, the rest on the device) and
+    only its one-element answer moves to ``device``."""
+    from distributed.shards import local
+
+    finite = torch.stack([torch.isfinite(local(p)).all().to(device) for p in params])
+    return torch.stack([torch.tensor(not math.isfinite(epoch_loss_sum), device=device),
+                        (~finite).any()]).float()
 
 
 def kept_attention_kernel(setting: str, current: str, saved: str | None, device: torch.device) -> str:
