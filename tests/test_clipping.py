@@ -76,3 +76,37 @@ def test_refusals_are_one_line(cfg_factory):
         cfg_factory(grad_clip_norm=-1.0)
     with pytest.raises(ValueError, match="train_graph.py does not clip gradients"):
         GraphTrainer(cfg_factory(grad_clip_norm=1.0), RunContext(device=CPU, run_dir=None), 4)
+
+
+def test_offloaded_gradients_are_summed_on_the_groups_device(monkeypatch):
+    """FSDP's CPU offload keeps gradient shards in host memory while the process groups are
+    NCCL's, which has no backend for a CPU tensor. Faked on a CPU: the tensors are fake ones
+    (FakeTensorMode, so a "cuda" tensor needs no GPU), the mesh's groups live on "cuda" and
+    refuse anything else, as NCCL does; every gradient keeps its device."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from distributed import clipping
+    from distributed.mesh import ParallelMesh
+    from distributed.tags import tag
+
+    seen = []
+
+    def nccl_only_all_reduce(t, group=None):
+        if t.device.type != "cuda":
+            raise RuntimeError(f"No backend type associated with device type {t.device.type}")
+        seen.append(group)
+
+    monkeypatch.setattr(clipping.dist, "all_reduce", nccl_only_all_reduce)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # this rank's GPU
+    mesh = ParallelMesh(sizes={"tp": 2, "cp": 1, "dp": 1, "pp": 2}, groups={"tp": "tp", "pp": "pp"},
+                        device_mesh=SimpleNamespace(device_type="cuda"))
+    with FakeTensorMode():
+        host = [tag(torch.nn.Parameter(torch.ones(4, 3)), shard_dim=0), torch.nn.Parameter(torch.ones(3))]
+        for p in host:
+            p.grad = torch.ones_like(p)
+        norm = clipping.clip_grad_norm(host, 0.1, mesh)  # the scale comes back to the host
+        assert norm.device.type == "cuda"
+        assert [p.grad.device.type for p in host] == ["cpu", "cpu"]
+    assert seen == ["tp", "pp"]
