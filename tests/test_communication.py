@@ -263,3 +263,64 @@ def test_on_nccl_the_diagnosis_comes_before_nccls_watchdog():
     out, took = _run_skipping_ranks(5.0, fake_nccl=False, gpus=True)
     assert "rank 0 gave up at step 2 in backward (DDP's gradient all-reduce): rank 1 did not arrive" in out
     assert 5.0 < took < 5.0 + 13, took
+
+
+def test_the_overlap_timeline_reads_a_gpus_times_once_its_work_is_done(monkeypatch):
+    """scripts/comm_overlap.py on a GPU, faked: the host only queues work there, so every stamp of
+    the step (spans, a bucket handed over and completed, in its completion callback) is a device
+    event, and events are read only after the device was synchronised. The fake device's clock
+    counts events, so the times are whole numbers of seconds where a host clock's would not be."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from scripts import comm_overlap
+    from utils import device as dev
+
+    log: list[str] = []
+
+    class DeviceEvent:
+        def record(self) -> None:
+            self.t = len(log)
+            log.append("record")
+
+        def elapsed_time(self, end: DeviceEvent) -> float:  # as CUDA's: only once both are done
+            assert "synchronize" in log[max(self.t, end.t):], "an event read before its work was done"
+            return 1000.0 * (end.t - self.t)
+
+    monkeypatch.setattr(dev, "timing_event", lambda device: DeviceEvent())
+    monkeypatch.setattr(dev, "synchronize", lambda device: log.append("synchronize"))
+    allreduce = torch.futures.Future()
+    monkeypatch.setattr(default_hooks, "allreduce_hook", lambda group, bucket: allreduce)
+    timeline = comm_overlap.Timeline(torch.device("cuda", 0))
+    hook = comm_overlap.recording_hook(timeline, None)
+    bucket = type("Bucket", (), {"index": lambda self: 0})()
+
+    timeline.start()  # synchronize, then the first event (1)
+    timeline.span("forward", 0.0)  # event 2
+    hook(None, bucket)  # handed over: event 3
+    allreduce.set_result(torch.zeros(1))  # the completion callback: event 4
+    assert timeline.finish() == 4.0  # the step's last event (5), after its synchronize
+    assert timeline.spans == {"forward": [0.0, 1.0]} and timeline.buckets == {0: [2.0, 3.0]}
+
+
+@pytest.mark.cuda
+def test_the_overlap_timeline_times_the_gpus_work_not_its_launches():
+    """On a GPU the span around queued matmuls lasts as long as the GPU computes them, not the
+    fraction of a millisecond the host takes to queue them."""
+    from scripts import comm_overlap
+
+    cuda = torch.device("cuda", 0)
+    a = torch.randn(4096, 4096, device=cuda)
+    a @ a  # warm-up
+    timeline = comm_overlap.Timeline(cuda)
+    timeline.start()
+    wall = time.perf_counter()
+    start = timeline.now()
+    for _ in range(20):
+        a @ a
+    queued = time.perf_counter() - wall
+    timeline.span("forward", start)
+    total = timeline.finish()
+    wall = time.perf_counter() - wall
+    begin, end = timeline.spans["forward"]
+    assert wall > 5 * queued, (wall, queued)  # the GPU's work outlasts its queueing
+    assert end - begin > 0.8 * wall and total >= end, (timeline.spans, total, wall)
