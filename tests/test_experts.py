@@ -207,8 +207,9 @@ def checkpoint_round_trip() -> None:
 
 
 def test_expert_runs_refused_where_they_cannot_run(cfg_factory, tmp_path, capsys):
-    """Expert parallelism is train_mp.py's, needs data-parallel ranks it divides; CUDA Graphs
-    cannot replay a mixture of experts: each in one line, before any work."""
+    """Expert parallelism is train_mp.py's, needs data-parallel ranks it divides, and refuses fp16
+    (each rank's loss scaler would see only its own experts); CUDA Graphs cannot replay a mixture
+    of experts: each in one line, before any work."""
     from ruamel.yaml import YAML
 
     from training.context import RunContext
@@ -226,6 +227,14 @@ def test_expert_runs_refused_where_they_cannot_run(cfg_factory, tmp_path, capsys
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: expert_parallel 2 does not divide the 1 data-parallel ranks; choose a divisor (the "
         "expert-parallel ranks are data-parallel ranks)")
+    assert main(Trainer, argv + ["--amp_mode", "fp16"], model_parallel=True) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: amp_mode fp16 does not work with expert_parallel > 1 (each rank's loss scaler sees only "
+        "its own experts' gradients: the ranks would skip different steps and the replicated weights "
+        "drift apart); use --amp_mode bf16")
+    with pytest.raises(ValueError, match="fp16 does not work with expert_parallel"):  # the config's own check
+        cfg_factory(num_experts=4, expert_parallel=2, amp_mode="fp16")
+    cfg_factory(num_experts=4, amp_mode="fp16")  # experts on every rank: one scaler sees them all
     assert not (tmp_path / "logs").exists()
     with pytest.raises(ValueError, match="train_graph.py does not train a mixture of experts"):
         GraphTrainer(cfg_factory(num_experts=4), RunContext(device=torch.device("cpu"), run_dir=tmp_path), 4)
