@@ -368,9 +368,11 @@ def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = 
         # gradients of qkv and fc1 (each (b, n, D))
         parts.append(("all_reduce", tp, (4 * L + R) * E * b * (N // lay.cp) * D, (4 * L + R) * mbs, "tp"))
     if lay.cp > 1:  # keys and values gathered in forward; in backward their gradients summed
-        # (reduce-scatter done as all-reduce + slice on gloo); the head's output gathered
+        # and scattered (a reduce-scatter of every rank's slice padded to the longest); the head's
+        # output gathered
         parts.append(("all_gather", lay.cp, 2 * (L + R) * E * b * N * D // tp, 2 * (L + R), "cp"))
-        parts.append(("all_reduce", lay.cp, 2 * L * E * b * N * D // tp, 2 * L, "cp"))
+        padded_n = lay.cp * math.ceil(N / lay.cp)
+        parts.append(("reduce_scatter", lay.cp, 2 * L * E * b * padded_n * D // tp, 2 * L, "cp"))
         if last:
             parts.append(("all_gather", lay.cp, E * b * N * m.c_out * m.patch**2, 1, "cp"))
         # every gradient summed over cp: by each parameter's hook, or per DDP bucket when DDP runs
