@@ -20,6 +20,11 @@ of squares over ranks in which every element must count exactly once:
   averaged over their replicas: sum over the block.
 
 Every rank then has the same norm and the same scale, and the result is the serial model's.
+
+The sums over ranks run on the process group's device (the trainer's): with FSDP's CPU offload
+the gradient shards sit in pinned host memory, and an NCCL group has no backend for a CPU
+tensor. The partial norms travel to the group's device for the collective, and the scale
+comes back to each gradient's device.
 """
 
 from __future__ import annotations
@@ -33,10 +38,27 @@ from distributed.shards import is_sharded, local
 from distributed.tags import spec
 
 
+def _group_device(mesh: ParallelMesh, fallback: torch.device) -> torch.device:
+    """Where the mesh's collectives run: its device type ("cuda": this rank's GPU, NCCL's)."""
+    if mesh.device_mesh is None:
+        return fallback
+    kind = mesh.device_mesh.device_type
+    return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
+def _sum_over(t: torch.Tensor, group: object, device: torch.device) -> torch.Tensor:
+    """``t`` summed over ``group``'s ranks, on ``device`` (a host tensor is copied there first)."""
+    t = t.to(device)
+    dist.all_reduce(t, group=group)
+    return t
+
+
 def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh) -> torch.Tensor:
-    """The 2-norm of the whole model's gradient (collective over the mesh's groups as above)."""
+    """The 2-norm of the whole model's gradient (collective over the mesh's groups as above), on
+    the device of the mesh's process groups (of the gradients without one)."""
     grads = [p for p in params if p.grad is not None]
-    device = grads[0].grad.device if grads else torch.device("cpu")
+    device = local(grads[0].grad).device if grads else torch.device("cpu")
+    on = _group_device(mesh, device)
     split, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
     experts = torch.zeros((), device=device)
     for p in grads:
@@ -48,17 +70,17 @@ def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh) -> torch.Te
         else:
             replicated += sq
     if mesh.size("tp") > 1:
-        dist.all_reduce(split, group=mesh.group("tp"))
+        split = _sum_over(split, mesh.group("tp"), on)
     if mesh.expert_parallel > 1:
-        dist.all_reduce(experts, group=mesh.group("ep"))
-    total = split + replicated + experts
+        experts = _sum_over(experts, mesh.group("ep"), on)
+    total = split.to(on) + replicated.to(on) + experts.to(on)
     sharded = next((p.grad for p in grads if is_sharded(p.grad)), None)
     if sharded is not None:  # FSDP: over the mesh dimensions that shard (HSDP: not the replicas)
         for i, placement in enumerate(sharded.placements):
             if placement.is_shard():
-                dist.all_reduce(total, group=sharded.device_mesh.get_group(i))
+                total = _sum_over(total, sharded.device_mesh.get_group(i), on)
     if mesh.size("pp") > 1:
-        dist.all_reduce(total, group=mesh.group("pp"))
+        total = _sum_over(total, mesh.group("pp"), on)
     return total.sqrt()
 
 
@@ -67,7 +89,11 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMe
     before clipping (a device tensor: no host sync)."""
     norm = global_grad_norm(params, mesh)
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    scales = {scale.device: scale}  # one copy per device (offloaded shards: one to the host)
     for p in params:
         if p.grad is not None:
-            local(p.grad).mul_(scale)  # on the device: no host sync to decide whether to clip
+            g = local(p.grad)
+            if g.device not in scales:
+                scales[g.device] = scale.to(g.device)
+            g.mul_(scales[g.device])  # on the device: no host sync to decide whether to clip
     return norm

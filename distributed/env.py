@@ -124,23 +124,23 @@ def init_distributed(env: DistEnv, device: torch.device, collective_timeout_s: f
     """
     if not env.is_distributed or dist.is_initialized():
         return
+    from distributed import health  # only distributed runs
+
     backend = dev.backend_for(device, backend)
+    # on NCCL the heartbeat names the missing rank before NCCL's watchdog ends the process
+    limits = health.deadlines(collective_timeout_s, backend)
     store = _rendezvous(env, rendezvous_timeout_s)
     dist.init_process_group(
         backend=backend,
         store=store,
         rank=env.rank,
         world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=collective_timeout_s),
+        timeout=datetime.timedelta(seconds=limits.process_group_s),
         device_id=device if backend == "nccl" else None,  # NCCL: this rank's GPU, bound at once
     )
     log.info("process group: %s, world size %d", backend, env.world_size)
     global _heartbeat
-    from distributed import health  # only distributed runs
-
-    # the watchdog waits for the collective's own timeout, plus two heartbeats
-    _heartbeat = health.start(env.master_addr, env.master_port, env.rank, env.world_size,
-                              stuck_after_s=collective_timeout_s + 2 * health.PERIOD_S)
+    _heartbeat = health.start(env.master_addr, env.master_port, env.rank, env.world_size, limits)
 
 
 _heartbeat = None  # this rank's distributed.health.Heartbeat, once the process group is up

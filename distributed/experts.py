@@ -57,15 +57,28 @@ def add_expert_groups(mesh: ParallelMesh, ep: int) -> None:
     mesh.coords["ep"] = mesh.dp_rank % ep
 
 
+def sort_by_expert(expert: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the experts of this rank's assignments (A,): the order that sorts them by expert
+    (stable: within an expert, in token order) and the number per expert (E,). On the device:
+    no host sync (torch.bincount would read the largest value on the host, on a GPU)."""
+    counts = torch.zeros(num_experts, dtype=torch.long, device=expert.device)
+    return torch.argsort(expert, stable=True), counts.scatter_add_(0, expert, torch.ones_like(expert))
+
+
+def rank_splits(counts: list[int], ep: int) -> list[int]:
+    """The rows sent to (or received from) each of the ``ep`` ranks, from the count of each
+    expert (E,) in rank order (expert e lives on rank e // (E / ep)): the all-to-all's split sizes."""
+    per_rank = len(counts) // ep
+    return [sum(counts[r * per_rank:(r + 1) * per_rank]) for r in range(ep)]
+
+
 def dispatch_plan(expert: torch.Tensor, num_experts: int,
                   ep: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """For the experts of this rank's kept assignments (A,): the order that sorts them by expert
-    (stable: within an expert, in token order), the number per expert (E,), and the number
-    sent to each rank of the block (expert e lives on rank e // (E / ep)): the all-to-all's
-    split sizes."""
-    order = torch.argsort(expert, stable=True)
-    counts = torch.bincount(expert, minlength=num_experts)
-    return order, counts, counts.view(ep, num_experts // ep).sum(dim=1).tolist()
+    """The dispatch plan in one call: :func:`sort_by_expert`, and the rows sent to each rank of
+    the block. (The layer calls the two halves apart, the all-to-all of the counts between them,
+    so that one host copy gives both the sent and the received split sizes.)"""
+    order, counts = sort_by_expert(expert, num_experts)
+    return order, counts, rank_splits(counts.tolist(), ep)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -95,26 +108,36 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, gates, kept = self.route(x)  # (B, N, k) each, for this rank's tokens
         flat = x.reshape(-1, x.shape[-1])  # (T, D)
-        token, choice = kept.reshape(-1, self.top_k).nonzero(as_tuple=True)
-        expert = experts.reshape(-1, self.top_k)[token, choice]
-        order, counts, send_splits = dispatch_plan(expert, self.num_experts, self.ep)
-        token, choice = token[order], choice[order]
+        # every (token, choice) assignment, sorted by expert; those the capacity dropped get the
+        # key E and sort last (the same order as keeping them first, without a host sync)
+        key = torch.where(kept, experts, self.num_experts).flatten()  # (T k,)
+        order, counts = sort_by_expert(key, self.num_experts + 1)
+        counts = counts[:-1]  # (E,) kept assignments per expert
         # tell every rank how many tokens it gets for each of its experts: (ep, per_rank), the
         # row of rank s says what s sends here
         received_counts = all_to_all(counts.view(self.ep, self.per_rank), self.group)
-        recv_splits = received_counts.sum(dim=1).tolist()
+        # The layer's one host sync: the all-to-alls need their split sizes on the host (NCCL
+        # sizes its transfers from them), and so do the shapes of what is received. One copy
+        # gives them all: what goes to each expert, and what comes from each rank for each of
+        # this rank's experts.
+        host = torch.cat([counts, received_counts.flatten()]).tolist()
+        sent, got = host[:self.num_experts], host[self.num_experts:]  # (E,), (ep x per_rank,)
+        send_splits, recv_splits = rank_splits(sent, self.ep), rank_splits(got, self.ep)
+        order = order[:sum(sent)]  # the kept assignments (A,)
+        token, choice = order // self.top_k, order % self.top_k
         received = all_to_all(flat[token], self.group, recv_splits, send_splits)  # (R, D), by source
         # then by expert within each source: regroup by expert, run each, put back in place
         local = torch.arange(self.per_rank, device=x.device).repeat(self.ep)
-        owner = torch.repeat_interleave(local, received_counts.flatten())  # (R,) local expert index
+        owner = torch.repeat_interleave(local, received_counts.flatten(), output_size=sum(got))  # (R,)
         by_expert = torch.argsort(owner, stable=True)
-        outputs = [self.experts[str(self.first + j)](received[by_expert[owner[by_expert] == j]])
-                   for j in range(self.per_rank)]  # every expert runs, on no token if need be
+        per_expert = [sum(got[j::self.per_rank]) for j in range(self.per_rank)]
+        outputs = [self.experts[str(self.first + j)](rows)  # every expert runs, on no token if need be
+                   for j, rows in enumerate(received[by_expert].split(per_expert))]
         done = torch.cat(outputs)[torch.argsort(by_expert)]  # back in the received order
         back = all_to_all(done, self.group, send_splits, recv_splits)  # (A, D) in the sent order
         weight = gates.reshape(-1, self.top_k)[token, choice].unsqueeze(-1)
         out = torch.zeros_like(flat).index_add(0, token, (back * weight.to(back.dtype)).to(flat.dtype))
-        self.stats = assignment_shares(counts, experts.numel())
+        self.stats = assignment_shares(sent, experts.numel())  # from the host copy
         return out.view_as(x)
 
 

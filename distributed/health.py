@@ -17,6 +17,14 @@ When a collective fails, the rank that noticed reads every rank's last entry and
 
 The thread costs one small store write every few seconds; ``mark`` (called by the trainer
 as it moves through a step) only stores two values.
+
+The same thread is a watchdog (:func:`deadlines`): a phase of a training step that lasts too
+long is diagnosed by the heartbeat itself. On gloo the collective raises at its timeout and the
+launcher logs the line; the watchdog is only a fallback. NCCL's own watchdog instead ends the
+process at the timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 3) before any Python
+code can say anything, so on NCCL the heartbeat logs the line at ``--collective_timeout_s`` and
+the process group's timeout is set ``NCCL_MARGIN_S`` later: NCCL then ends the process (and
+writes its Flight Recorder dump, where the Slurm scripts ask for one).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -39,20 +48,50 @@ STALE_S = 3 * PERIOD_S + 1  # no entry for this long: the rank is stopped or fro
 # phases of a training step: none of them can take longer than the collective timeout (a collective
 # waiting that long has failed); validation and checkpoints, which can, are not watched
 WATCHED = ("forward", "backward", "optimizer step", "stop check", "epoch end")
+# backends whose own watchdog ends the process when a collective times out, without a Python error
+ENDS_PROCESS_AT_TIMEOUT = ("nccl",)
+# on those, the process group's timeout comes this long after the heartbeat's diagnosis: time to
+# notice (a heartbeat), write the line (a heartbeat, then one store read per rank) and flush it
+NCCL_MARGIN_S = 30.0
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds a collective, or a watched phase of a step, may last before each thing happens."""
+
+    process_group_s: float  # the backend gives up on the collective (init_process_group's timeout)
+    report_s: float  # the heartbeat logs the diagnosis
+    end_s: float  # the heartbeat ends the process (if nothing else has)
+
+
+def deadlines(collective_timeout_s: float, backend: str) -> Deadlines:
+    """The heartbeat's deadlines and the process group's timeout for ``--collective_timeout_s``.
+
+    gloo raises at the timeout and the launcher names the missing rank; the heartbeat reports and
+    ends the process two heartbeats later, in case the collective never returns (torch 2.8's DDP
+    on gloo). NCCL ends the process at its timeout: the heartbeat reports at the timeout, NCCL
+    gives up ``NCCL_MARGIN_S`` later, and the heartbeat ends the process only if NCCL has not."""
+    late = 2 * PERIOD_S
+    if any(name in backend for name in ENDS_PROCESS_AT_TIMEOUT):
+        return Deadlines(collective_timeout_s + NCCL_MARGIN_S, collective_timeout_s,
+                         collective_timeout_s + NCCL_MARGIN_S + late)
+    return Deadlines(collective_timeout_s, collective_timeout_s + late, collective_timeout_s + late)
 
 
 class Heartbeat:
     """This rank's entry in the store, written every ``period_s`` by a daemon thread."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, prefix: str,
-                 period_s: float = PERIOD_S, stuck_after_s: float | None = None) -> None:
+                 period_s: float = PERIOD_S, limits: Deadlines | None = None) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.prefix, self.period_s = prefix, period_s
         self.step, self.phase = 0, "start-up"
         self.collectives: dict[str, str] = {}  # phase -> the collectives it runs in this layout
-        # the watchdog: a step phase that lasts longer than this ends the process (see _run)
-        self.stuck_after_s, self.changed, self.first_step = stuck_after_s, time.monotonic(), None
+        # the watchdog: a step phase that lasts longer than limits.report_s is diagnosed, one that
+        # lasts longer than limits.end_s ends the process (see watch); None: no watchdog
+        self.limits, self.changed, self.first_step = limits, time.monotonic(), None
         self.reporting = False  # a diagnosis is being written: the watchdog stands down
+        self.reported: float | None = None  # the phase (its start) the watchdog has diagnosed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -82,24 +121,36 @@ class Heartbeat:
             except Exception:  # the store went away (the job is ending): stop quietly
                 return
             if self.stuck():
-                self.give_up()
+                self.watch()
 
     def stuck(self) -> bool:
         """Whether this rank has been in one phase of a training step for longer than the watchdog
         allows. The process group's timeout should have ended the collective before; on some
         torch versions it does not (torch 2.8's DDP on gloo waits for a frozen peer for ever).
         The first step of a process is not watched (compilation may take minutes)."""
-        return (self.stuck_after_s is not None and not self.reporting and self.phase in WATCHED
+        return (self.limits is not None and not self.reporting and self.phase in WATCHED
                 and self.first_step is not None and self.step > self.first_step
-                and time.monotonic() - self.changed > self.stuck_after_s)
+                and time.monotonic() - self.changed > self.limits.report_s)
 
-    def give_up(self) -> None:
-        """The watchdog's end: the diagnosis line, then the process ends (the launcher stops the rest)."""
-        waited = time.monotonic() - self.changed
-        log.error("%s (no progress for %.0f s, longer than the collective timeout: the collective did "
-                  "not end by itself)", self.diagnosis(), waited)
-        logging.shutdown()
-        os._exit(1)
+    def watch(self) -> None:
+        """A phase has lasted too long: the diagnosis line, once per phase; then, past the end
+        deadline, the process ends (the launcher stops the rest)."""
+        changed, limits = self.changed, self.limits
+        if self.reported != changed:
+            line = self.diagnosis()
+            waited = time.monotonic() - changed
+            if waited < limits.end_s:  # NCCL: its watchdog ends the process at its timeout
+                log.error("%s (no progress for %.0f s; the process group times out in %.0f s)", line,
+                          waited, max(0.0, limits.process_group_s - waited))
+            else:
+                log.error("%s (no progress for %.0f s, longer than the collective timeout: the "
+                          "collective did not end by itself)", line, waited)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            self.reported, self.reporting = changed, False
+        if time.monotonic() - changed >= limits.end_s:
+            logging.shutdown()
+            os._exit(1)
 
     def stop(self) -> None:
         self._stop.set()
@@ -172,9 +223,9 @@ def collectives_by_phase(ddp: bool, fsdp: bool, zero1: bool, model_parallel: boo
 
 
 def start(master_addr: str, master_port: int, rank: int, world_size: int,
-          stuck_after_s: float | None = None) -> Heartbeat | None:
+          limits: Deadlines | None = None) -> Heartbeat | None:
     """Start this rank's heartbeat on its own connection to the rendezvous store (a failure to
-    connect only costs the diagnosis: logged, never fatal); with ``stuck_after_s``, its watchdog."""
+    connect only costs the diagnosis: logged, never fatal); with ``limits``, its watchdog."""
     try:
         store = dist.TCPStore(master_addr, master_port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
@@ -184,4 +235,4 @@ def start(master_addr: str, master_port: int, rank: int, world_size: int,
         return None
     # a restart under torchrun (--max_restarts) must not read the previous attempt's entries
     prefix = f"era5_heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    return Heartbeat(store, rank, world_size, prefix, stuck_after_s=stuck_after_s).start()
+    return Heartbeat(store, rank, world_size, prefix, limits=limits).start()

@@ -88,12 +88,12 @@ class MoEMLP(nn.Module):
             weight = gates.reshape(-1, self.top_k)[token, choice].unsqueeze(-1).to(y.dtype)
             out = out.index_add(0, token, (y * weight).to(out.dtype))
             counts.append(token.numel())
-        self.stats = assignment_shares(torch.tensor(counts), experts.numel())
+        self.stats = assignment_shares(counts, experts.numel())
         return out.view_as(x)
 
 
-def assignment_shares(counts: torch.Tensor, assignments: int) -> torch.Tensor:
+def assignment_shares(counts: list[int], assignments: int) -> torch.Tensor:
     """For the logs (on the host): each expert's share of the ``assignments`` token choices it
-    processed (``counts`` per expert), then the share dropped by the capacity."""
-    share = counts.detach().float().cpu() / assignments
+    processed (``counts`` per expert, already on the host), then the share dropped by the capacity."""
+    share = torch.tensor(counts, dtype=torch.float32) / assignments
     return torch.cat([share, (1 - share.sum()).reshape(1)])

@@ -32,22 +32,55 @@ from scripts.script_config import add_config_args, load_script_config  # noqa: E
 
 
 class Timeline:
-    """Timestamps (seconds since the step started) of one step."""
+    """Time stamps of one step, in seconds since it started.
 
-    def __init__(self) -> None:
-        self.t0 = 0.0
-        self.spans: dict[str, list[float]] = {}  # "forward", "backward", "sync" -> [start, end]
-        self.buckets: dict[int, list[float]] = {}  # bucket index -> [handed over, completed]
+    On a GPU the host only queues the work: its clock would time the launches, and a bucket's
+    all-reduce would seem complete when it was queued. There a stamp is a CUDA event recorded on
+    the current stream (in a bucket's completion callback, a stream that waits for the
+    all-reduce), read once the device has finished the step (``finish``). On a CPU, the clock."""
+
+    def __init__(self, device) -> None:
+        self.device, self.events = device, device.type == "cuda"
+        self.t0, self.first = 0.0, None
+        self.spans: dict[str, list] = {}  # "forward", "backward", "sync" -> [start, end]
+        self.buckets: dict[int, list] = {}  # bucket index -> [handed over, completed]
 
     def start(self) -> None:
-        self.t0 = time.perf_counter()
+        from utils import device as dev
+
+        dev.synchronize(self.device)  # the step starts on an idle device
         self.spans, self.buckets = {}, {}
+        self.t0 = time.perf_counter()
+        self.first = self.now() if self.events else None
 
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
+    def now(self):
+        """A stamp: seconds since the start (CPU), or an event queued now on the current stream (GPU)."""
+        if not self.events:
+            return time.perf_counter() - self.t0
+        from utils import device as dev
 
-    def span(self, name: str, start: float) -> None:
+        event = dev.timing_event(self.device)
+        event.record()
+        return event
+
+    def span(self, name: str, start) -> None:
         self.spans[name] = [start, self.now()]
+
+    def finish(self) -> float:
+        """Wait for the device to finish the step; every stamp becomes seconds since the start.
+        Returns the step's seconds."""
+        from utils import device as dev
+
+        end = self.now()
+        dev.synchronize(self.device)
+        if self.events:
+            def seconds(stamp):
+                return stamp if isinstance(stamp, float) else self.first.elapsed_time(stamp) / 1e3
+
+            self.spans = {k: [seconds(a), seconds(b)] for k, (a, b) in self.spans.items()}
+            self.buckets = {k: [seconds(a), seconds(b)] for k, (a, b) in self.buckets.items()}
+            end = seconds(end)
+        return end
 
 
 def recording_hook(timeline: Timeline, group):
@@ -137,7 +170,7 @@ def time_variant(cfg, setting: dict[str, Any], args: argparse.Namespace, group, 
 
     from utils.metrics import relative_l2_loss
 
-    timeline = Timeline()
+    timeline = Timeline(device)
     model, sync = build(cfg, setting, timeline, group, device)
     batch = max(1, cfg.global_batch_size // dist.get_world_size())
     gen = torch.Generator().manual_seed(dist.get_rank())
@@ -156,7 +189,7 @@ def time_variant(cfg, setting: dict[str, Any], args: argparse.Namespace, group, 
             start = timeline.now()
             sync()
             timeline.span("all-reduce", start)
-        elapsed = timeline.now()
+        elapsed = timeline.finish()  # on a GPU: once its work is done
         for p in model.parameters():
             p.grad = None
         if step >= args.warmup:

@@ -189,7 +189,10 @@ def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
 
     With several ranks (a process group) every rank does the same number of calls, started
     together, and the time is until the last one is done: ranks that share cores share them
-    over the whole measurement, as in a training step, whatever the scheduler did meanwhile."""
+    over the whole measurement, as in a training step, whatever the scheduler did meanwhile.
+
+    The matmuls run under the Trainer's settings (utils.device.configure_matmul: TF32 for fp32
+    on a GPU); true fp32 would be several times slower on Ampere and newer than training is."""
     import torch
     import torch.distributed as dist
 
@@ -197,6 +200,7 @@ def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
 
     group = dist.is_initialized()
     device = calibration_device()
+    dev.configure_matmul(device)
 
     def timed(fn) -> float:
         start = time.perf_counter()
@@ -356,9 +360,24 @@ def fit_latency_bandwidth(points: list[list[float]]) -> tuple[float, float]:
     return latency, 1.0 / max(slope, 1e-15)
 
 
+def rank_limit() -> int | None:
+    """The most ranks this machine runs at once: one per GPU (NCCL refuses two ranks on one GPU);
+    None on a CPU, whose gloo ranks share the cores."""
+    from utils import device as dev
+
+    return dev.gpu_count() or None
+
+
+def ranks_that_fit(ranks: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``ranks`` split into those this machine can start and those it cannot (rank_limit)."""
+    limit = rank_limit()
+    return (tuple(r for r in ranks if limit is None or r <= limit),
+            tuple(r for r in ranks if limit is not None and r > limit))
+
+
 def calibrate(ranks: tuple[int, ...] = (1, 2, 4), calls: int = 30, seconds: float = 0.25) -> dict[str, Any]:
     """This machine's constants: compute rates with 1, 2 and 4 ranks busy at once, collectives
-    over 2 and 4 ranks (gloo)."""
+    over 2 and 4 ranks (gloo); on a GPU machine, of those, the counts it has GPUs for."""
     import platform
     import subprocess
 
@@ -368,6 +387,12 @@ def calibrate(ranks: tuple[int, ...] = (1, 2, 4), calls: int = 30, seconds: floa
     from utils import device as dev
 
     env = worker_env()
+    ranks, left_out = ranks_that_fit(ranks)
+    if left_out:
+        print(f"calibrating on {', '.join(map(str, ranks))} rank(s) at once; left out "
+              f"{', '.join(map(str, left_out))}: this machine has {rank_limit()} GPU(s)", flush=True)
+    if not ranks:
+        raise SystemExit("error: no rank count to calibrate fits this machine; give --calibrate_ranks 1")
 
     gpu = dev.gpu_facts(0)["name"] if dev.cuda_available() else None
     cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, gloo"

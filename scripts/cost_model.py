@@ -368,9 +368,11 @@ def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = 
         # gradients of qkv and fc1 (each (b, n, D))
         parts.append(("all_reduce", tp, (4 * L + R) * E * b * (N // lay.cp) * D, (4 * L + R) * mbs, "tp"))
     if lay.cp > 1:  # keys and values gathered in forward; in backward their gradients summed
-        # (reduce-scatter done as all-reduce + slice on gloo); the head's output gathered
+        # and scattered (a reduce-scatter of every rank's slice padded to the longest); the head's
+        # output gathered
         parts.append(("all_gather", lay.cp, 2 * (L + R) * E * b * N * D // tp, 2 * (L + R), "cp"))
-        parts.append(("all_reduce", lay.cp, 2 * L * E * b * N * D // tp, 2 * L, "cp"))
+        padded_n = lay.cp * math.ceil(N / lay.cp)
+        parts.append(("reduce_scatter", lay.cp, 2 * L * E * b * padded_n * D // tp, 2 * L, "cp"))
         if last:
             parts.append(("all_gather", lay.cp, E * b * N * m.c_out * m.patch**2, 1, "cp"))
         # every gradient summed over cp: by each parameter's hook, or per DDP bucket when DDP runs
@@ -768,7 +770,7 @@ def check_layout(m: Model, lay: Layout, machine: dict[str, Any], records: list[d
 def run_check(args: argparse.Namespace, m: Model) -> list[dict[str, Any]]:
     import shutil
 
-    from scripts.cost_measure import calibrate, measure_layout
+    from scripts.cost_measure import calibrate, measure_layout, rank_limit
 
     saved = args.out / CONSTANTS_FILE
     if saved.is_file() and not args.recalibrate:
@@ -783,8 +785,14 @@ def run_check(args: argparse.Namespace, m: Model) -> list[dict[str, Any]]:
     runs = args.out / "runs"
     shutil.rmtree(runs, ignore_errors=True)  # every check trains from scratch
     rows = []
-    for lay in CHECKED:
-        if args.only and lay.name not in args.only.split(","):
+    limit = rank_limit()
+    chosen = [lay for lay in CHECKED if not args.only or lay.name in args.only.split(",")]
+    left_out = [lay for lay in chosen if limit is not None and lay.ranks > limit]  # a GPU per rank
+    if left_out:
+        print(f"left out, more ranks than this machine's {limit} GPU(s): "
+              f"{', '.join(lay.name for lay in left_out)}", flush=True)
+    for lay in chosen:
+        if lay in left_out:
             continue
         print(f"  {lay.name} on {lay.ranks} rank(s)", flush=True)
         flags = lay.flags() + [f"--limit_nsamples={lay.batch * 12}"]
@@ -893,7 +901,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="--check: steps per run (3 untimed)")
     p.add_argument("--data_dir", default=None, help="--check: the runs' data (default: the config's)")
     p.add_argument("--only", default="", help="--check: these layouts only (names, comma-separated)")
-    p.add_argument("--calibrate_ranks", default="1,2,4", help="--calibrate: ranks at once to measure")
+    p.add_argument("--calibrate_ranks", default="1,2,4", help="--calibrate: ranks at once to measure "
+                   "(on a GPU machine, those it has a GPU per rank for)")
     p.add_argument("--calibrate_calls", type=int, default=30, help="--calibrate: calls timed per collective "
                    "and size (their mean is used)")
     p.add_argument("--calibrate_seconds", type=float, default=0.25, help="--calibrate: seconds per compute "

@@ -12,6 +12,8 @@
 #   ENABLE_PROFILING=1 PROFILE_OUTPUT=name   run under `nsys profile` (output in $LOGDIR)
 #   REQUEUE=1  when training stops on a signal (status 75) the job is put back in the queue
 #   PYTHON    interpreter outside a container             default: REPO/.venv/bin/python, else python3
+#   TORCH_NCCL_TRACE_BUFFER_SIZE  NCCL's Flight Recorder: collectives kept per rank (default 2000;
+#             0 turns it off); dumped on a collective timeout to $LOGDIR/flight_recorder/JOB_ID/
 
 : "${DATADIR:=/pscratch/sd/s/shas1693/data/sc23_tutorial_data/downsampled}"
 if [ -n "${SCRATCH:-}" ]; then : "${LOGDIR:=$SCRATCH/era5-vit/logs}"; else : "${LOGDIR:=$REPO/logs}"; fi
@@ -69,8 +71,21 @@ run_training() {
     # a graph replay is one launch: show the kernels inside it
     [ "$entry" = train_graph.py ] && profile+=(--cuda-graph-trace=node)
   fi
-  local runner=()
+  local runner=() traces=flight_recorder/${SLURM_JOB_ID:-local} in_logs
+  in_logs=$(cd "$LOGDIR" && pwd)
   if [ "${NATIVE:-0}" != 1 ] && command -v shifter >/dev/null 2>&1; then
+    in_logs=/logs  # where the container sees LOGDIR
+  fi
+  # NCCL's Flight Recorder: every rank keeps its last collectives (kind, sizes, state); when NCCL's
+  # watchdog times one out, each rank writes them to $traces/rank_N before NCCL ends the process
+  # (python -m torch.distributed.flight_recorder.fr_trace FOLDER names the rank that did not
+  # enter; docs/04-communication.md). torch 2.8 reads the older name of the file prefix.
+  mkdir -p "$LOGDIR/$traces"
+  export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+  export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+  export TORCH_FR_DUMP_TEMP_FILE=$in_logs/$traces/rank_
+  export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=$TORCH_FR_DUMP_TEMP_FILE
+  if [ "$in_logs" = /logs ]; then
     # pip install --user inside this image goes to its own folder, not the host's ~/.local
     export PYTHONUSERBASE="$HOME/.local/perlmutter/${IMAGE//[:\/]/_}"
     runner=(shifter --image="$IMAGE" --module="$SHIFTER_MODULES" --volume="$DATADIR:/data;$LOGDIR:/logs")

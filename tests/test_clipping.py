@@ -76,3 +76,93 @@ def test_refusals_are_one_line(cfg_factory):
         cfg_factory(grad_clip_norm=-1.0)
     with pytest.raises(ValueError, match="train_graph.py does not clip gradients"):
         GraphStep.check(cfg_factory(grad_clip_norm=1.0), RunContext(device=CPU, run_dir=None), 4)
+
+
+def test_offloaded_gradients_are_summed_on_the_groups_device(monkeypatch):
+    """FSDP's CPU offload keeps gradient shards in host memory while the process groups are
+    NCCL's, which has no backend for a CPU tensor. Faked on a CPU: the tensors are fake ones
+    (FakeTensorMode, so a "cuda" tensor needs no GPU), the mesh's groups live on "cuda" and
+    refuse anything else, as NCCL does; every gradient keeps its device."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from distributed import clipping
+    from distributed.mesh import ParallelMesh
+    from distributed.tags import tag
+
+    seen = []
+
+    def nccl_only_all_reduce(t, group=None):
+        if t.device.type != "cuda":
+            raise RuntimeError(f"No backend type associated with device type {t.device.type}")
+        seen.append(group)
+
+    monkeypatch.setattr(clipping.dist, "all_reduce", nccl_only_all_reduce)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # this rank's GPU
+    mesh = ParallelMesh(sizes={"tp": 2, "cp": 1, "dp": 1, "pp": 2}, groups={"tp": "tp", "pp": "pp"},
+                        device_mesh=SimpleNamespace(device_type="cuda"))
+    with FakeTensorMode():
+        host = [tag(torch.nn.Parameter(torch.ones(4, 3)), shard_dim=0), torch.nn.Parameter(torch.ones(3))]
+        for p in host:
+            p.grad = torch.ones_like(p)
+        norm = clipping.clip_grad_norm(host, 0.1, mesh)  # the scale comes back to the host
+        assert norm.device.type == "cuda"
+        assert [p.grad.device.type for p in host] == ["cpu", "cpu"]
+    assert seen == ["tp", "pp"]
+
+
+def _offload_on_nccl() -> None:
+    """One NCCL rank (a GPU), FSDP with CPU offload: the gradient shards sit in pinned host memory
+    while the groups are NCCL's. Clipping gives torch's norm and clipped gradients; the memory
+    report puts the shards in host memory."""
+    import torch.distributed as dist
+
+    from distributed.clipping import clip_grad_norm
+    from distributed.mesh import build_mesh
+    from distributed.sharding import apply_fsdp, local
+    from networks.vit import build_vit
+    from tests.conftest import make_cfg
+    from training.reporting import memory_report
+
+    cuda = torch.device("cuda", 0)
+    torch.cuda.set_device(cuda)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=cuda)
+    cfg = make_cfg(".", ".", data_parallel="fsdp", cpu_offload=True)
+    mesh = build_mesh({}, cfg.parallel_order, "cuda")
+    torch.manual_seed(0)
+    serial = build_vit(cfg).to(cuda)
+    torch.manual_seed(0)  # the same weights; one rank's shards are whole tensors
+    model = apply_fsdp(build_vit(cfg), mesh, cfg)
+    inp, tar = _batch(cfg)
+    for m in (serial, model):
+        torch.nn.functional.mse_loss(m(inp.to(cuda)), tar.to(cuda)).backward()
+    grads = [local(p.grad) for p in model.parameters()]
+    assert grads and all(g.device.type == "cpu" for g in grads)
+    want = torch.nn.utils.clip_grad_norm_(serial.parameters(), 1e-3)
+    got = clip_grad_norm(list(model.parameters()), 1e-3, mesh)
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), serial.parameters()):  # clipped alike
+        torch.testing.assert_close(local(p.grad).to(cuda).view_as(q.grad), q.grad, rtol=1e-5, atol=1e-7)
+    report = memory_report(model, torch.optim.Adam(model.parameters()), cuda)
+    assert report["parameters_MiB"] == 0 and report["host_parameters_MiB"] > 0, report
+    dist.destroy_process_group()
+    print("offload on nccl: ok", flush=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(180)
+def test_offloaded_fsdp_clips_and_reports_on_nccl():
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+    from tests.slurm_harness import free_port
+
+    env = subprocess_env(gpus=True, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    code = "from tests.test_clipping import _offload_on_nccl; _offload_on_nccl()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=170)
+    said = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0 and "offload on nccl: ok" in done.stdout, said

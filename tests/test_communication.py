@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from distributed.health import Heartbeat, collectives_by_phase
+from distributed.health import Deadlines, Heartbeat, collectives_by_phase
 from tests.dist_spawn import run_ranks
 
 
@@ -135,7 +135,7 @@ def test_the_watchdog_watches_only_a_step_after_the_first():
     validation or checkpoints, not while a diagnosis is being written."""
     import torch.distributed as dist
 
-    beat = Heartbeat(dist.HashStore(), 0, 2, "hb/", stuck_after_s=0.05)
+    beat = Heartbeat(dist.HashStore(), 0, 2, "hb/", limits=Deadlines(0.05, 0.05, 0.05))
     beat.mark(10, "backward")  # the first step of this process
     time.sleep(0.1)
     assert not beat.stuck()
@@ -149,3 +149,178 @@ def test_the_watchdog_watches_only_a_step_after_the_first():
     beat.reporting = True
     assert not beat.stuck()
     assert not Heartbeat(dist.HashStore(), 0, 2, "hb/").stuck()  # no limit: no watchdog
+
+
+def test_on_nccl_the_heartbeat_reports_before_the_process_group_times_out():
+    """NCCL's watchdog ends the process at the process group's timeout, before any Python code
+    can name the missing rank; on gloo the collective raises and the launcher names it. So on
+    NCCL the heartbeat's diagnosis comes first, the process group's timeout a margin later,
+    and the heartbeat ends the process only if NCCL has not."""
+    from distributed.health import NCCL_MARGIN_S, PERIOD_S, deadlines
+
+    gloo, nccl = deadlines(20.0, "gloo"), deadlines(20.0, "nccl")
+    assert gloo == Deadlines(20.0, 20.0 + 2 * PERIOD_S, 20.0 + 2 * PERIOD_S)  # raises, then reports
+    assert nccl.report_s == 20.0 < nccl.process_group_s == 20.0 + NCCL_MARGIN_S < nccl.end_s
+    # time to notice (a heartbeat), write the line (a heartbeat and the store reads) and flush it
+    assert NCCL_MARGIN_S >= 4 * PERIOD_S + 5
+    assert deadlines(20.0, "cpu:gloo,cuda:nccl") == nccl
+
+
+def _skipping_rank(rank: int, port: int, timeout_s: float, fake_nccl: bool) -> None:
+    """One of two ranks joined through distributed/env.py: rank 1 skips step 2's all-reduce and is
+    alive elsewhere ("validation"). With ``fake_nccl``, gloo is given NCCL's deadlines and a
+    collective that gives up ends the process without a word, as NCCL's watchdog does."""
+    import logging
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    from distributed import env, health
+    from utils.device import cuda_available
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+    if fake_nccl:
+        health.ENDS_PROCESS_AT_TIMEOUT = ("gloo",)
+    device = torch.device("cuda", rank) if cuda_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    env.init_distributed(env.DistEnv(rank, rank, 2, 2, "127.0.0.1", port), device, timeout_s, 60.0)
+    beat = env.heartbeat()
+    beat.collectives = collectives_by_phase(ddp=True, fsdp=False, zero1=False, model_parallel=False,
+                                            pipeline=False, clipping=False)
+    x = torch.ones(1, device=device)
+    for step in (1, 2):
+        beat.mark(step, "backward")
+        if rank == 1 and step == 2:  # the bug: rank 1 skips this step's all-reduce
+            beat.mark(step, "validation")
+            time.sleep(600)
+        try:
+            dist.all_reduce(x)
+            x.cpu()  # NCCL: wait for it
+        except Exception as err:
+            print(f"the process group gave up: {type(err).__name__}", flush=True)
+            os._exit(3)  # NCCL's watchdog: the process ends here, nothing else is logged
+        print(f"step {step} done", flush=True)
+
+
+def _run_skipping_ranks(timeout_s: float, fake_nccl: bool, gpus: bool) -> tuple[str, float]:
+    """Rank 0's output until its heartbeat's diagnosis (or its end), and the seconds from rank 0's
+    step 1 to that line. Both ranks are stopped."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, subprocess_env
+    from tests.slurm_harness import free_port
+
+    port, procs = free_port(), []
+    env = subprocess_env(gpus=gpus, PYTHONUNBUFFERED="1")
+    for rank in (0, 1):
+        code = (f"from tests.test_communication import _skipping_rank; "
+                f"_skipping_rank({rank}, {port}, {timeout_s}, {fake_nccl})")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    lines, started, took = [], None, None
+    try:
+        for line in procs[0].stdout:
+            lines.append(line)
+            if line.startswith("step 1 done"):
+                started = time.monotonic()
+            if "gave up at step" in line:
+                took = time.monotonic() - started
+                break
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    out = "".join(lines)
+    assert not re.search(r"^the process group gave up", out, re.M), out[-3000:]
+    assert took is not None, out[-3000:]
+    return out, took
+
+
+@pytest.mark.timeout(120)
+def test_the_diagnosis_comes_before_a_process_group_that_ends_the_process():
+    """Two gloo ranks given NCCL's deadlines: rank 1 skips an all-reduce; rank 0's heartbeat names
+    it, with the collective and where rank 1 is, at the collective timeout, before the process
+    group's timeout (which on NCCL ends the process without a word)."""
+    timeout_s = 3.0
+    out, took = _run_skipping_ranks(timeout_s, fake_nccl=True, gpus=False)
+    assert ("rank 0 gave up at step 2 in backward (DDP's gradient all-reduce): rank 1 did not arrive: "
+            "it is alive at step 2 in validation") in out, out[-3000:]
+    assert "the process group times out in" in out
+    # noticed within a heartbeat of the timeout, written within another (and the store reads)
+    assert timeout_s < took < timeout_s + 4 * 2.0 + 5, took
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(180)
+def test_on_nccl_the_diagnosis_comes_before_nccls_watchdog():
+    """The same on NCCL itself (two GPUs: NCCL refuses two ranks on one GPU)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL needs a GPU per rank: this machine has one")
+    out, took = _run_skipping_ranks(5.0, fake_nccl=False, gpus=True)
+    assert "rank 0 gave up at step 2 in backward (DDP's gradient all-reduce): rank 1 did not arrive" in out
+    assert 5.0 < took < 5.0 + 13, took
+
+
+def test_the_overlap_timeline_reads_a_gpus_times_once_its_work_is_done(monkeypatch):
+    """scripts/comm_overlap.py on a GPU, faked: the host only queues work there, so every stamp of
+    the step (spans, a bucket handed over and completed, in its completion callback) is a device
+    event, and events are read only after the device was synchronised. The fake device's clock
+    counts events, so the times are whole numbers of seconds where a host clock's would not be."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from scripts import comm_overlap
+    from utils import device as dev
+
+    log: list[str] = []
+
+    class DeviceEvent:
+        def record(self) -> None:
+            self.t = len(log)
+            log.append("record")
+
+        def elapsed_time(self, end: DeviceEvent) -> float:  # as CUDA's: only once both are done
+            assert "synchronize" in log[max(self.t, end.t):], "an event read before its work was done"
+            return 1000.0 * (end.t - self.t)
+
+    monkeypatch.setattr(dev, "timing_event", lambda device: DeviceEvent())
+    monkeypatch.setattr(dev, "synchronize", lambda device: log.append("synchronize"))
+    allreduce = torch.futures.Future()
+    monkeypatch.setattr(default_hooks, "allreduce_hook", lambda group, bucket: allreduce)
+    timeline = comm_overlap.Timeline(torch.device("cuda", 0))
+    hook = comm_overlap.recording_hook(timeline, None)
+    bucket = type("Bucket", (), {"index": lambda self: 0})()
+
+    timeline.start()  # synchronize, then the first event (1)
+    timeline.span("forward", 0.0)  # event 2
+    hook(None, bucket)  # handed over: event 3
+    allreduce.set_result(torch.zeros(1))  # the completion callback: event 4
+    assert timeline.finish() == 4.0  # the step's last event (5), after its synchronize
+    assert timeline.spans == {"forward": [0.0, 1.0]} and timeline.buckets == {0: [2.0, 3.0]}
+
+
+@pytest.mark.cuda
+def test_the_overlap_timeline_times_the_gpus_work_not_its_launches():
+    """On a GPU the span around queued matmuls lasts as long as the GPU computes them, not the
+    fraction of a millisecond the host takes to queue them."""
+    from scripts import comm_overlap
+
+    cuda = torch.device("cuda", 0)
+    a = torch.randn(4096, 4096, device=cuda)
+    a @ a  # warm-up
+    timeline = comm_overlap.Timeline(cuda)
+    timeline.start()
+    wall = time.perf_counter()
+    start = timeline.now()
+    for _ in range(20):
+        a @ a
+    queued = time.perf_counter() - wall
+    timeline.span("forward", start)
+    total = timeline.finish()
+    wall = time.perf_counter() - wall
+    begin, end = timeline.spans["forward"]
+    assert wall > 5 * queued, (wall, queued)  # the GPU's work outlasts its queueing
+    assert end - begin > 0.8 * wall and total >= end, (timeline.spans, total, wall)

@@ -189,3 +189,83 @@ def test_gpu_systems_time_collectives_by_ring_and_link():
         if row["run"].split()[1] == "single":  # the calibrating row is met exactly
             assert row["predicted"] == pytest.approx(row["published"])
     assert {r["run"].split()[0] for r in rows} == {"SC23", "SC25"}
+
+
+def test_calibration_times_matmuls_under_the_trainers_settings(monkeypatch):
+    """The Trainer turns TF32 on for fp32 matmuls on a GPU (utils.device.configure_matmul): every
+    matmul the calibration times runs after the same call, on the calibration's device."""
+    from scripts import cost_measure
+    from utils import device as dev
+
+    configured, after = [], []
+    monkeypatch.setattr(dev, "configure_matmul", lambda device, allow_tf32=True: configured.append(device))
+    original = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__",
+                        lambda a, b: after.append(bool(configured)) or original(a, b))
+    cost_measure.compute_rates(seconds=0.002)
+    assert configured == [cost_measure.calibration_device()]
+    assert after and all(after)
+
+
+@pytest.mark.cuda
+def test_the_fp32_rate_is_tf32s_as_the_trainer_runs(monkeypatch):
+    """On Ampere and newer the fp32 rate the calibration measures is TF32's, several times true fp32's."""
+    from scripts.benchmark import matmul_peak
+    from scripts.cost_measure import compute_rates
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # restored afterwards
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+    true_fp32 = matmul_peak(cuda, torch.float32, 1024)
+    rate = compute_rates(seconds=0.05)["matmul_flops"]["float32"]["large"]
+    assert torch.backends.cuda.matmul.allow_tf32
+    if torch.cuda.get_device_capability(cuda)[0] >= 8:
+        assert rate > 1.5 * true_fp32, (rate, true_fp32)
+
+
+def _fake_calibration_runs(started: list[int]):
+    """subprocess.run for calibrate: notes the ranks torchrun would start, answers as rank 0 does."""
+    rate = {"large": 1e12, "small": 1e12, "attention": 1e12}
+    rates = {"matmul_flops": {d: rate for d in ("float32", "bfloat16")},
+             "memory_bandwidth": 1e11, "adam_seconds_per_parameter": 1e-9}
+    points = [[size, 1e-4 + size / 1e10] for size in (2**12, 2**18, 2**20, 2**22)]
+
+    def run(cmd, **kwargs):
+        ranks = int(next(a for a in cmd if a.startswith("--nproc_per_node=")).split("=")[1])
+        started.append(ranks)
+        data = {"collectives": {k: points for k in ("all_reduce", "broadcast")} if ranks > 1 else {},
+                "compute": [rates] * ranks}
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(data) + "\n", stderr="")
+
+    return run
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_calibrate_and_check_use_the_gpus_the_machine_has(monkeypatch, tmp_path, capsys, gpus):
+    """On a machine with 1 or 2 GPUs (NCCL: one rank per GPU) the calibration starts only the rank
+    counts it has GPUs for, and the check runs only the layouts that fit, naming those left out."""
+    from scripts import cost_measure
+    from utils import device as dev
+
+    monkeypatch.setattr(dev, "gpu_count", lambda: gpus)
+    started: list[int] = []
+    monkeypatch.setattr(subprocess, "run", _fake_calibration_runs(started))
+    machine = cost_measure.calibrate((1, 2, 4))
+    assert started == [1, 2][:gpus] and sorted(machine["by_ranks"]) == ["1", "2"][:gpus]
+    left = ", ".join(str(r) for r in (1, 2, 4) if r > gpus)
+    assert f"left out {left}: this machine has {gpus} GPU(s)" in capsys.readouterr().out
+
+    measured = []
+    monkeypatch.setattr(cost_measure, "calibrate", lambda *a: machine)
+    monkeypatch.setattr(cost_measure, "measure_layout",
+                        lambda name, ranks, *a, **k: measured.append((name, ranks)) or [])
+    monkeypatch.setattr(cm, "check_layout", lambda m, lay, machine, records: {"layout": lay.name})
+    args = cm.argparse.Namespace(out=tmp_path, recalibrate=True, calibrate_ranks="1,2,4", calibrate_calls=1,
+                                 calibrate_seconds=0.01, only="", data_dir=None, config="tiny",
+                                 yaml_config=None, steps=4)
+    rows = cm.run_check(args, cm.Model.from_config(tiny()))
+    fits = [lay for lay in cm.CHECKED if lay.ranks <= gpus]
+    assert measured == [(lay.name, lay.ranks) for lay in fits] and len(rows) == len(fits)
+    said = capsys.readouterr().out
+    left = [lay.name for lay in cm.CHECKED if lay.ranks > gpus]
+    assert f"left out, more ranks than this machine's {gpus} GPU(s): {', '.join(left)}" in said

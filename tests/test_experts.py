@@ -207,8 +207,9 @@ def checkpoint_round_trip() -> None:
 
 
 def test_expert_runs_refused_where_they_cannot_run(cfg_factory, tmp_path, capsys):
-    """Expert parallelism is train_mp.py's, needs data-parallel ranks it divides; CUDA Graphs
-    cannot replay a mixture of experts: each in one line, before any work."""
+    """Expert parallelism is train_mp.py's, needs data-parallel ranks it divides, and refuses fp16
+    (each rank's loss scaler would see only its own experts); CUDA Graphs cannot replay a mixture
+    of experts: each in one line, before any work."""
     from ruamel.yaml import YAML
 
     from training.context import RunContext
@@ -225,7 +226,89 @@ def test_expert_runs_refused_where_they_cannot_run(cfg_factory, tmp_path, capsys
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: expert_parallel 2 does not divide the 1 data-parallel ranks; choose a divisor (the "
         "expert-parallel ranks are data-parallel ranks)")
+    assert main(argv=argv + ["--amp_mode", "fp16"], model_parallel=True) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: amp_mode fp16 does not work with expert_parallel > 1 (each rank's loss scaler sees only "
+        "its own experts' gradients: the ranks would skip different steps and the replicated weights "
+        "drift apart); use --amp_mode bf16")
+    with pytest.raises(ValueError, match="fp16 does not work with expert_parallel"):  # the config's own check
+        cfg_factory(num_experts=4, expert_parallel=2, amp_mode="fp16")
+    cfg_factory(num_experts=4, amp_mode="fp16")  # experts on every rank: one scaler sees them all
     assert not (tmp_path / "logs").exists()
     with pytest.raises(ValueError, match="train_graph.py does not train a mixture of experts"):
         GraphStep.check(cfg_factory(num_experts=4), RunContext(device=torch.device("cpu"), run_dir=tmp_path),
                         4)
+
+
+def count_host_copies(monkeypatch) -> list[str]:
+    """Every later call that copies a tensor's values to the host (on a GPU: waits for the GPU to
+    reach it), by name: values read out, nonzero, a boolean mask, repeat_interleave without its
+    output size."""
+    copies: list[str] = []
+
+    def counted(name, fn, when=lambda *a, **k: True):
+        def wrapper(*args, **kwargs):
+            if when(*args, **kwargs):
+                copies.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in ("tolist", "item", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch, "nonzero", counted("nonzero", torch.nonzero))
+    monkeypatch.setattr(torch, "repeat_interleave", counted(
+        "repeat_interleave", torch.repeat_interleave,
+        lambda x, repeats=None, *a, **k: torch.is_tensor(repeats) and k.get("output_size") is None))
+
+    def masked(t, index):
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(torch.is_tensor(p) and p.dtype == torch.bool for p in parts)
+
+    getitem = counted("boolean mask", torch.Tensor.__getitem__, masked)
+    monkeypatch.setattr(torch.Tensor, "__getitem__", getitem)
+    return copies
+
+
+@pytest.mark.parametrize("top_k, capacity_factor", [(1, 0.0), (2, 0.75)])
+def test_an_expert_parallel_layer_copies_to_the_host_once(monkeypatch, top_k, capacity_factor):
+    """The all-to-alls' split sizes (and the shapes of what arrives) come from one host copy per
+    layer; nothing else waits for the device. In one process (ep 1: the all-to-alls are this
+    rank's own) the layer computes the serial layer's output and statistics."""
+    from distributed.experts import ExpertParallelMoE
+    from distributed.mesh import build_mesh
+
+    serial = make(top_k, capacity_factor)
+    layer = ExpertParallelMoE(serial, build_mesh({}))
+    x = torch.randn(3, 6, DIM, generator=torch.Generator().manual_seed(1))
+    want = serial(x)
+    copies = count_host_copies(monkeypatch)
+    got = layer(x)
+    monkeypatch.undo()
+    assert copies == ["tolist"]
+    torch.testing.assert_close(got, want)
+    assert torch.equal(layer.stats, serial.stats)
+    if capacity_factor:
+        assert layer.stats[-1] > 0  # some assignments were dropped
+
+
+@pytest.mark.cuda
+def test_an_expert_parallel_layer_synchronises_once_on_a_gpu():
+    """torch's own count on a GPU: one synchronising call per layer's forward."""
+    import warnings
+
+    from distributed.experts import ExpertParallelMoE
+    from distributed.mesh import build_mesh
+
+    layer = ExpertParallelMoE(make(2, 0.75), build_mesh({})).cuda()
+    x = torch.randn(3, 6, DIM, device="cuda")
+    layer(x)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs

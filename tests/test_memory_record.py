@@ -49,3 +49,34 @@ def test_plot_and_its_one_line_error(recorded, tmp_path, capsys):
     assert (tmp_path / "m.png").stat().st_size > 0
     assert main([str(tmp_path), "--out", str(tmp_path / "n.png")]) == 2
     assert capsys.readouterr().err.startswith("error: ") and not (tmp_path / "n.png").exists()
+
+
+def test_the_allocator_history_keeps_python_stacks_only(monkeypatch):
+    """C++ frames would be symbolised one by one when the snapshot is written (minutes for a
+    step's events), inside a training step that the heartbeat watches: Python stacks only."""
+    from utils import compat
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kwargs: calls.append(kwargs))
+    compat.cuda_memory_history(True)
+    compat.cuda_memory_history(False)
+    assert calls[0] == {"max_entries": 100_000, "enabled": "all", "stacks": "python"}
+    assert calls[1]["enabled"] is None
+
+
+@pytest.mark.cuda
+def test_a_gpu_step_is_recorded_with_python_frames_only(data_dir, tmp_path):
+    import pickle
+    import time
+
+    from tests.conftest import make_cfg
+
+    cfg = make_cfg(data_dir, tmp_path / "logs", memory_snapshot=True, num_iters=3)
+    trainer = Trainer(cfg, RunContext(device=torch.device("cuda", 0), run_dir=tmp_path / "run"), 4)
+    start = time.monotonic()
+    trainer.fit()
+    assert time.monotonic() - start < 60
+    snapshot = pickle.loads((tmp_path / "run" / "memory" / "memory_snapshot_rank0.pickle").read_bytes())
+    frames = [f for trace in snapshot["device_traces"] for event in trace for f in event.get("frames", [])]
+    assert frames and all(f["filename"].endswith(".py") or f["filename"].startswith("<") for f in frames), \
+        sorted({f["filename"] for f in frames})[:20]

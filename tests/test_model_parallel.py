@@ -148,6 +148,8 @@ def _mappings_on_ranks() -> None:
     _check("reduce_scatter_to forward", y.detach(), [[10.0, 12.0, 14.0], [16.0, 18.0]][r])
     _check("reduce_scatter_to backward (all-gather)", x.grad, [1.0, 1.0, 1.0, 2.0, 2.0])
 
+    _reduce_scatter_both_ways(r, group)
+
     # all-to-all, uneven: rank 0 sends 1 row to itself and 2 to rank 1; rank 1 sends 3 to rank 0
     # and 1 to itself. Backward: each row's gradient goes back where the row came from.
     send = [[1, 2], [3, 1]][r]
@@ -184,6 +186,35 @@ def _mappings_on_ranks() -> None:
               lambda t: M.gather_sequence(t, 0, None)):
         f(x).sum().backward()
     _check("identity without a group", x.grad, [3.0, 3.0])
+
+
+def _reduce_scatter_both_ways(r: int, group) -> None:
+    """reduce_scatter_along by a reduce-scatter where the backend has one (gloo here), and by an
+    all-reduce and a slice where it has none (faked): the same sums, even and uneven slices,
+    along dims 0 and 1."""
+    calls = []
+    originals = {name: getattr(dist, name) for name in ("reduce_scatter_tensor", "all_reduce")}
+
+    def counted(name):
+        return lambda *args, **kwargs: calls.append(name) or originals[name](*args, **kwargs)
+
+    x = (torch.arange(10.0).view(2, 5) + 100 * r).requires_grad_()
+    total = 2 * torch.arange(10.0).view(2, 5) + 100  # the sum over the 2 ranks
+    try:
+        for name in originals:
+            setattr(dist, name, counted(name))
+        for has_it in (True, False):
+            M.REDUCE_SCATTER_BACKENDS = ("nccl", "gloo") if has_it else ("nccl",)
+            for dim, sizes in ((0, [1, 1]), (1, [3, 2]), (1, [4, 1])):
+                calls.clear()
+                y = M.reduce_scatter_to(x, dim, group, sizes)
+                _check(f"reduce_scatter_to along {dim} as {sizes} (reduce-scatter: {has_it})", y.detach(),
+                       total.narrow(dim, sum(sizes[:r]), sizes[r]).tolist())
+                assert calls == (["reduce_scatter_tensor"] if has_it else ["all_reduce"]), (has_it, calls)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        M.REDUCE_SCATTER_BACKENDS = ("nccl", "gloo")
 
 
 def _fail_on_rank_1() -> None:

@@ -7,6 +7,7 @@ samples (on 2 ranks 17 and 16: 5 and 4 batches, so FSDP's validation runs in loc
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -171,13 +172,20 @@ def test_expert_parallel_trains_and_checkpoints_the_serial_model(serial_moe_dir,
                                    atol=1e-7)
 
 
+def _name(cfg) -> str:
+    return cfg.data_parallel + ("_offload" if cfg.cpu_offload else "")
+
+
 def _memory_per_rank(cfgs, run_dir_path, out_dir, world):
-    """In every rank, for each layout in turn (one job for all three): one step, then what this
-    rank holds, in elements."""
+    """In every rank, for each layout in turn (one job for all of them): one step, then what this
+    rank holds, in elements, and its memory report as a GPU run's ("meta" stands in for the GPU:
+    what stays in host memory is then reported as such)."""
+    from training import reporting
+
     rank = torch.distributed.get_rank()
     mesh = build_mesh({}, cfgs[0].parallel_order, "cpu")
     for cfg in cfgs:
-        ctx = RunContext(device=torch.device("cpu"), run_dir=run_dir_path / cfg.data_parallel, rank=rank,
+        ctx = RunContext(device=torch.device("cpu"), run_dir=run_dir_path / _name(cfg), rank=rank,
                          world_size=world, mesh=mesh)
         trainer = Trainer(cfg, ctx, cfg.global_batch_size // world)
         inp, tar = next(iter(trainer.train_data))
@@ -187,17 +195,32 @@ def _memory_per_rank(cfgs, run_dir_path, out_dir, world):
             sum(local(p).numel() for p in trainer.raw_model.parameters()),
             sum(local(v).numel() for s in opt.state.values() for v in s.values() if v.dim() > 0),
         ])
-        torch.save(counts, Path(out_dir) / f"{cfg.data_parallel}_{world}_{rank}.pt")
+        torch.save(counts, Path(out_dir) / f"{_name(cfg)}_{world}_{rank}.pt")
+        report = reporting.memory_report(trainer.raw_model, trainer.optimizer, torch.device("meta"),
+                                         trainer.held_bytes())
+        held = trainer.held_bytes()
+        (Path(out_dir) / f"{_name(cfg)}_{world}_{rank}.json").write_text(json.dumps({**report, **held}))
 
 
 @pytest.mark.parametrize("world", [4])  # 4 ranks: each share is a quarter (2 would repeat it)
 def test_what_each_rank_holds(cfg_factory, tmp_path, world):
     """ddp: everything everywhere; zero1: the Adam moments split over the ranks; fsdp: the
-    weights and moments split (each rank's shards add up to the whole model)."""
+    weights and moments split (each rank's shards add up to the whole model); fsdp with
+    --cpu_offload: the same shards, which the memory report of a run on a GPU (faked: "meta")
+    counts as host memory, none on the GPU."""
     serial_params = None
     modes = ("ddp", "zero1", "fsdp")
     cfgs = [cfg_factory(data_parallel=mode, global_batch_size=4, limit_nsamples=8) for mode in modes]
+    cfgs.append(cfg_factory(data_parallel="fsdp", cpu_offload=True, global_batch_size=4, limit_nsamples=8))
     run_ranks(world, _memory_per_rank, cfgs, tmp_path, tmp_path, world)
+    for r in range(world):
+        shards = torch.load(tmp_path / f"fsdp_{world}_{r}.pt").tolist()
+        assert torch.load(tmp_path / f"fsdp_offload_{world}_{r}.pt").tolist() == shards
+        report = json.loads((tmp_path / f"fsdp_offload_{world}_{r}.json").read_text())
+        assert report["parameters_MiB"] == report["gradients_MiB"] == report["optimizer_MiB"] == 0
+        assert report["host_parameters_MiB"] * 2**20 == report["parameters"] == 4 * shards[0]
+        assert report["host_gradients_MiB"] == report["host_parameters_MiB"]
+        assert report["host_optimizer_MiB"] * 2**20 == report["optimizer_state"]
     for mode in modes:
         params, moments = zip(*(torch.load(tmp_path / f"{mode}_{world}_{r}.pt").tolist()
                                 for r in range(world)))
@@ -210,6 +233,25 @@ def test_what_each_rank_holds(cfg_factory, tmp_path, world):
         else:
             assert sum(params) == serial_params and max(params) <= serial_params / world + 1000
             assert list(moments) == [2 * p for p in params]
+
+
+def test_memory_on_the_device_is_not_reported_as_host_memory():
+    """The other half of the split: parameters, gradients and Adam's state on the device the run
+    computes on ("meta" standing in for a GPU) are reported there, none as host memory (Adam's
+    step counts, host scalars, belong to their parameters); a run on the CPU has no host part."""
+    from training import reporting
+
+    model = torch.nn.Linear(64, 32).to("meta")
+    adam = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    adam.step()
+    report = reporting.memory_report(model, adam, torch.device("meta"))
+    assert not [k for k in report if k.startswith("host_")]
+    assert report["parameters_MiB"] * 2**20 == 4 * (64 * 32 + 32) == report["gradients_MiB"] * 2**20
+    cpu = torch.nn.Linear(64, 32)
+    on_cpu = reporting.memory_report(cpu, torch.optim.Adam(cpu.parameters()), torch.device("cpu"))
+    assert not [k for k in on_cpu if k.startswith("host_")]
 
 
 @pytest.fixture(scope="module")

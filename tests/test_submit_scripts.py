@@ -108,3 +108,27 @@ def test_a_logdir_that_cannot_be_made_is_one_line_before_srun(tmp_path):
         assert result.stderr.strip() == (f"error: cannot create LOGDIR={logdir}; set LOGDIR to a "
                                          f"folder you can write")
     assert not (tmp_path / "calls.log").exists()  # srun never started
+
+
+@pytest.mark.parametrize("with_shifter", [True, False])
+def test_nccls_flight_recorder_dumps_into_the_logs(tmp_path, with_shifter):
+    """Every rank keeps its last 2000 collectives and writes them, when NCCL's watchdog times one
+    out, into a folder of the job under LOGDIR (/logs in the container), made before srun."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    seen = tmp_path / "srun_env"
+    (bin_dir / "srun").write_text(f"#!/bin/bash\nenv | grep -E '^TORCH_(NCCL|FR)_' | sort > {seen}\n")
+    (bin_dir / "srun").chmod(0o755)
+    if with_shifter:
+        fake(bin_dir, "shifter", tmp_path / "calls.log")
+    logs = tmp_path / "logs"
+    environ = subprocess_env(PATH=f"{bin_dir}:{os.environ['PATH']}", LOGDIR=str(logs), SLURM_JOB_ID="123")
+    script = f'REPO={REPO}; source scripts/slurm_common.sh && run_training train.py --config tiny'
+    result = subprocess.run(["bash", "-c", script], cwd=REPO, env=environ, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    prefix = ("/logs" if with_shifter else str(logs)) + "/flight_recorder/123/rank_"
+    assert seen.read_text().splitlines() == [
+        "TORCH_FR_DUMP_TEMP_FILE=" + prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE=" + prefix,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT=1", "TORCH_NCCL_TRACE_BUFFER_SIZE=2000"]
+    assert (logs / "flight_recorder" / "123").is_dir()

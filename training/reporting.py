@@ -114,20 +114,42 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
             "optimizer_state": sum(size(v) for s in state.values() for v in s.values() if torch.is_tensor(v))}
 
 
+def host_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, int]:
+    """Of what this rank holds, the bytes in host memory while it computes on ``device`` (a GPU):
+    the parameters whose shard is there (FSDP's CPU offload), the gradients a step gives them and
+    their optimizer state. Nothing when the device is the host."""
+    if device.type == "cpu":
+        return {}
+
+    def size(t: torch.Tensor) -> int:
+        t = local(t)
+        return t.numel() * t.element_size()
+
+    state = local_optimizer(optimizer).state
+    offloaded = [p for p in model.parameters() if local(p).device.type == "cpu"]
+    return {"parameters": sum(size(p) for p in offloaded),
+            "gradients": sum(size(p) for p in offloaded if p.requires_grad),  # held where the shard is
+            "optimizer_state": sum(size(v) for p in offloaded for v in state.get(p, {}).values()
+                                   if torch.is_tensor(v))}
+
+
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
                   held: dict[str, int] | None = None) -> dict[str, float]:
-    """What this rank holds (MiB), on every device; the allocator's peak on CUDA. ``held``: a
-    trainer's own count (DeepSpeed's engine counts its partitions and a step's gradients)."""
+    """What this rank holds (MiB) on the device it computes on, and, where FSDP offloads to host
+    memory, there (``host_*``); the allocator's peak on CUDA. ``held``: a trainer's own count
+    (DeepSpeed's engine counts its partitions and a step's gradients)."""
     held = held or held_bytes(model, optimizer)  # under FSDP: this rank's shards; ZeRO-1: its share
     gradients = held.get("step_gradients")
     if gradients is None:  # the gradients a step holds (after zero_grad(set_to_none) none are left)
         gradients = sum(local(p).numel() * local(p).element_size() for p in model.parameters()
                         if p.requires_grad)
-    report = {
-        "parameters_MiB": held["parameters"] / MIB,
-        "gradients_MiB": gradients / MIB,
-        "optimizer_MiB": held["optimizer_state"] / MIB,
-    }
+    totals = {"parameters": held["parameters"], "gradients": gradients, "optimizer": held["optimizer_state"]}
+    host = host_bytes(model, optimizer, device)
+    host = {"parameters": host.get("parameters", 0), "gradients": host.get("gradients", 0),
+            "optimizer": host.get("optimizer_state", 0)}
+    report = {f"{k}_MiB": max(0, totals[k] - host[k]) / MIB for k in totals}
+    if any(host.values()):
+        report.update({f"host_{k}_MiB": v / MIB for k, v in host.items()})
     peak = dev.peak_memory_bytes(device)
     if peak is not None:
         report["allocator_peak_MiB"] = peak / MIB

@@ -84,9 +84,13 @@ def fsdp_average_on_gloo(module: torch.nn.Module, backend: str) -> None:
 # The CUDA allocator's history (its memory snapshot) has only underscored entry points, in
 # every supported version; the memory record (utils/profiling.py) calls them from here.
 def cuda_memory_history(enabled: bool) -> None:
-    """Start (up to 100000 allocation events, with their stacks) or stop recording."""
+    """Start (up to 100000 allocation events, with their Python stacks) or stop recording.
+
+    Python stacks only: the default ("all") adds C++ frames, which the snapshot's dump symbolises
+    one by one (minutes for a training step's events), while the rank sits in a training step
+    that the heartbeat watches and the other ranks wait in its next collective."""
     torch.cuda.memory._record_memory_history(max_entries=100_000 if enabled else 0,
-                                             enabled="all" if enabled else None)
+                                             enabled="all" if enabled else None, stacks="python")
 
 
 def dump_cuda_memory_snapshot(path: str) -> None:

@@ -172,7 +172,9 @@ class Config:
                                             "(srun or plain environment; torchrun meets on its own)",
                                       "data parallel")
     collective_timeout_s: float = key(300.0, "seconds a collective may wait for a rank that stopped "
-                                             "responding before every rank fails", "data parallel")
+                                             "responding before every rank fails (on NCCL the heartbeat "
+                                             "names it then, NCCL's own timeout is 30 s later)",
+                                      "data parallel")
     disable_broadcast_buffers: bool = key(False, "do not broadcast module buffers from rank 0 "
                                                  "every forward", "data parallel")
     noddp: bool = key(False, "no gradient synchronisation: each rank trains alone (profiling "

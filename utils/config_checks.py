@@ -243,6 +243,10 @@ def _check_experts(cfg: Config) -> None:
         what = "--noddp" if cfg.noddp else f"--data_parallel {cfg.data_parallel}"
         raise ValueError(f"--expert_parallel runs with DDP here (its hook averages the experts over the "
                          f"ranks that hold them), not with {what}; use --data_parallel ddp")
+    if cfg.expert_parallel > 1 and cfg.amp_mode == "fp16":  # a rank's scaler sees its own experts' infs
+        raise ValueError("amp_mode fp16 does not work with expert_parallel > 1 (each rank's loss scaler "
+                         "sees only its own experts' gradients: the ranks would skip different steps and "
+                         "the replicated weights drift apart); use --amp_mode bf16")
     if not 1 <= cfg.moe_top_k <= min(2, cfg.num_experts):
         raise ValueError(f"moe_top_k must be 1 or 2 and at most num_experts ({cfg.num_experts}), got "
                          f"{cfg.moe_top_k}")
