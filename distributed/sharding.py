@@ -98,9 +98,9 @@ def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimize
     """The optimizer (class and settings from training/trainer.py:optimizer_choice) for this rank's
     part of the model: under zero1 wrapped so that each dp rank keeps the state of its share only;
     LAMB's per-tensor norms summed over the ranks that split a tensor (tp slices, FSDP shards)."""
-    from distributed.lamb import Lamb, local_sum_squares, split_sum_squares
+    if cfg.optimizer_type == "LAMB":
+        from distributed.lamb import local_sum_squares, split_sum_squares
 
-    if optimizer_class is Lamb:
         whole = mesh.size("tp") == 1 and not fsdp_active(cfg, mesh)  # ZeRO-1 steps whole tensors
         options = {**options, "sum_squares": local_sum_squares if whole else split_sum_squares(mesh)}
     if zero1_active(cfg, mesh):

@@ -605,7 +605,7 @@ def test_a_command_that_trains_nothing_fails(tmp_path):
         check_local_python(Command(2, "python train.py --config tiny"), runner)
 
 
-NAMED_IN_FILE = re.compile(r"`(\w+)(?:\.\w+)?` \(`([\w/]+\.py)`")  # "`ShardedSampler` (`utils/sampler.py`)"
+NAMED_IN_FILE = re.compile(r"`(\w+)(?:\.\w+)?` \(`([\w/]+\.py)`")  # "`ShardedSampler` (`utils/data_loader.py`)"
 FILE_AND_NAME = re.compile(r"`([\w/]+\.py):(\w+)`")  # "`utils/device.py:nvtx_range`"
 
 
@@ -616,7 +616,7 @@ def defines(path: Path, name: str) -> bool:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_files_and_names_on_a_page_exist(page):
     """Every project file a page names exists, and a name it places in a file is defined there
-    (a page once sent readers to utils/data_loader.py for a class in utils/sampler.py)."""
+    (a page once sent readers to utils/data_loader.py for a class then in utils/sampler.py)."""
     text, problems = page.read_text(), []
     for path in set(re.findall(r"`((?:utils|training|distributed|networks|scripts|tests|exercises)/\w+\.py)",
                                text)):
@@ -629,8 +629,8 @@ def test_files_and_names_on_a_page_exist(page):
 
 
 def test_a_name_placed_in_the_wrong_file_is_found():
-    wrong = "`ShardedSampler` (`utils/data_loader.py`) and `utils/device.py:nvtx_range`"
-    assert [(n, p) for n, p in NAMED_IN_FILE.findall(wrong)] == [("ShardedSampler", "utils/data_loader.py")]
-    assert not defines(REPO / "utils" / "data_loader.py", "ShardedSampler")
-    assert defines(REPO / "utils" / "sampler.py", "ShardedSampler")
+    wrong = "`ShardedSampler` (`utils/era5.py`) and `utils/device.py:nvtx_range`"
+    assert [(n, p) for n, p in NAMED_IN_FILE.findall(wrong)] == [("ShardedSampler", "utils/era5.py")]
+    assert not defines(REPO / "utils" / "era5.py", "ShardedSampler")
+    assert defines(REPO / "utils" / "data_loader.py", "ShardedSampler")
     assert FILE_AND_NAME.findall(wrong) == [("utils/device.py", "nvtx_range")]

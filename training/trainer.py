@@ -38,8 +38,7 @@ from distributed.env import all_reduce_max, all_reduce_sum, heartbeat
 from distributed.stop import StopAgreement
 from networks.vit import build_vit, count_parameters
 from training import checkpointing, reporting, validation
-from training.callbacks import Callback
-from training.context import RunContext, TrainingError
+from training.context import Callback, RunContext, TrainingError
 from training.schedule import make_lr_lambda
 from training.state import LoopState, ModelState
 from utils import attention
@@ -48,7 +47,6 @@ from utils import device as dev
 from utils.config import Config
 from utils.data_loader import Batches, get_data_loader
 from utils.metrics import latitude_weights, relative_l2_loss
-from utils.profiling import MemoryRecord, ProfilingWindow
 from utils.signals import received
 
 if TYPE_CHECKING:  # imported by the rank that writes (open_writer): 0.15 s of every other rank's start
@@ -146,7 +144,8 @@ class EagerStep:
         t = self.trainer
         region = contextlib.ExitStack()
         region.enter_context(dev.autocast(t.device, t.amp_mode, cache_enabled=cache_enabled))
-        region.enter_context(attention.kernel(t.attention_kernel))
+        if t.attention_kernel != "default":  # a kernel chosen instead of torch's own pick (part 2)
+            region.enter_context(attention.kernel(t.attention_kernel))
         return region
 
     def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
@@ -278,9 +277,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg))
         self.scaler = dev.make_grad_scaler(self.device, cfg.amp_mode)
         self.lat_weights = latitude_weights(cfg.img_size[0], self.device)
-        self.profiling = ProfilingWindow(cfg, self.device, ctx.run_dir, ctx.rank,
-                                         self.train_data.batches_per_epoch)
-        self.memory_record = MemoryRecord(cfg, self.device, ctx.run_dir, ctx.rank, self.held_bytes)
+        self.watches = self.build_watches()  # profilers and memory record, where the run asks
         self.step = 0  # optimizer steps done
         self.epoch_loss = torch.zeros((), device=self.device)  # running sum in this epoch
         self.epoch_steps = 0
@@ -317,6 +314,24 @@ class Trainer:
             self.cfg, split, self.local_batch, train, num_shards=self.ctx.dp_size,
             shard_id=self.ctx.dp_rank, pin_memory=pin)
         return Batches(loader, sampler, pin_memory=pin)
+
+    def build_watches(self) -> list[Any]:
+        """The profiling window (part 2) and the memory record (part 6), only where the run asks
+        for them (utils/profiling.py)."""
+        if self.cfg.profile_epoch is None and not self.cfg.memory_snapshot:
+            return []
+        from utils.profiling import MemoryRecord, ProfilingWindow
+
+        return [ProfilingWindow(self.cfg, self.device, self.ctx.run_dir, self.ctx.rank,
+                                self.train_data.batches_per_epoch),
+                MemoryRecord(self.cfg, self.device, self.ctx.run_dir, self.ctx.rank, self.held_bytes)]
+
+    def watched(self, epoch: int, batch: int) -> contextlib.AbstractContextManager:
+        """One step inside the watches (nothing, without them)."""
+        around = contextlib.ExitStack()
+        for watch in self.watches:
+            around.enter_context(watch.step(epoch, batch, self.step))
+        return around
 
     def choose_attention_kernel(self) -> str:
         """The attention kernel for this run's device and precision (utils/attention.py)."""
@@ -367,8 +382,7 @@ class Trainer:
         for batch in self.train_data:  # (input, target): (B, C, H, W) each
             if self.step >= self.cfg.num_iters:
                 break
-            with self.profiling.step(epoch, start_batch + done, self.step), \
-                    self.memory_record.step(self.step), dev.nvtx_range(f"step {self.step}"):
+            with self.watched(epoch, start_batch + done), dev.nvtx_range(f"step {self.step}"):
                 with dev.nvtx_range(f"data copy in {self.step}"):
                     inp, tar = self.to_device(*batch)
                 with reporting.compile_notice(self.device, self.cfg.enable_jit and
