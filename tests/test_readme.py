@@ -605,7 +605,7 @@ def test_a_command_that_trains_nothing_fails(tmp_path):
         check_local_python(Command(2, "python train.py --config tiny"), runner)
 
 
-NAMED_IN_FILE = re.compile(r"`(\w+)(?:\.\w+)?` \(`([\w/]+\.py)`")  # "`ShardedSampler` (`utils/data_loader.py`)"
+NAMED_IN_FILE = re.compile(r"`(\w+)(?:\.\w+)?` \(`([\w/]+\.py)`")  # "`ShardedSampler` (`utils/era5.py`)"
 FILE_AND_NAME = re.compile(r"`([\w/]+\.py):(\w+)`")  # "`utils/device.py:nvtx_range`"
 
 
