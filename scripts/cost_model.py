@@ -334,7 +334,8 @@ def _block_of(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("blocks.") else None
 
 
-def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0, dtype: str = "float32") -> dict[str, int]:
+def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0,
+           dtype: str = "float32") -> dict[str, int]:
     """Bytes this rank holds, by kind. Adam keeps two moments per element and a 4-byte step count
     per tensor. ddp: everything; zero1: the moments of the tensors it owns; fsdp: its dim-0 shard
     of everything (hsdp: its shard within its group). Also: the recomputed block of activation

@@ -59,8 +59,9 @@ def test_flops_and_activations_of_the_serial_model(checkpointing):
     assert cm.flops(m, lay)["total"] == counter.get_total_flops()
     for dtype in ("float32", "bfloat16"):
         meter = ActivationMeter()
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), attention.kernel("default"), \
-                torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        hooks = torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+        with hooks, attention.kernel("default"), autocast:
             loss = relative_l2_loss(model(x), y)
         loss.backward()
         assert cm.activation_bytes(m, lay, dtype=dtype)["total"] == meter.peak, dtype
