@@ -183,6 +183,14 @@ def expert_layouts(world_size: int, sizes: dict[str, int], order: str, ep: int) 
     return layouts
 
 
+def hsdp_layouts(world_size: int, shard: int) -> dict[str, list[list[int]]]:
+    """HSDP's groups (dp alone, distributed/sharding.py): "dp_shard", rows of ``shard``
+    consecutive ranks that shard the model; "dp_replicate", the ranks at the same place in every
+    row, which hold the same shard and average its gradient."""
+    rows = [list(range(start, start + shard)) for start in range(0, world_size, shard)]
+    return {"dp_shard": rows, "dp_replicate": [list(column) for column in zip(*rows)]}
+
+
 def mesh_ranks(sizes: dict[str, int]) -> torch.Tensor:
     """The rank grid in DeviceMesh's convention: the last axis varies fastest, so the axes
     are our order reversed (``tp-cp-dp`` -> shape (dp, cp, tp))."""

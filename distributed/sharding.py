@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed.mesh import ParallelMesh, hsdp_shard
+from distributed.mesh import ParallelMesh, hsdp_layouts, hsdp_shard
 from distributed.tags import spec
 from utils import compat
 from utils import device as dev
@@ -135,7 +135,7 @@ def hsdp_mesh(mesh: ParallelMesh, cfg: Config) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
     shard = hsdp_shard(cfg, mesh.dp_size, int(os.environ.get("LOCAL_WORLD_SIZE", mesh.dp_size)))
-    ranks = torch.arange(dist.get_world_size()).reshape(mesh.dp_size // shard, shard)  # dp alone here
+    ranks = torch.tensor(hsdp_layouts(dist.get_world_size(), shard)["dp_shard"])  # dp alone here
     return DeviceMesh(mesh.device_mesh.device_type, ranks, mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
