@@ -26,6 +26,7 @@ Pure parsing and the cost model's arithmetic: no process starts, no training.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import shlex
@@ -37,18 +38,21 @@ import pytest
 from distributed import mesh as meshes
 from scripts import cost_model as cm
 from tests.conftest import REPO
-from tests.test_readme import PAGES, SUBMIT_SCRIPTS, Command, course_commands
+from tests.test_readme import PAGES, SUBMIT_SCRIPTS, TRAIN_SCRIPTS, Command, course_commands
 from training.launcher import arg_parser, check_layout, resolve_config
 from utils.config import Config
 
 GPUS_PER_NODE = 4  # Perlmutter's GPU nodes: 4 A100s each
 GPU_BYTES = {"gpu": 40e9, "hbm80g": 80e9}  # the A100's memory, as NVIDIA and NERSC give it (GB)
 # The cost model counts the tensors a rank holds (weights, gradients, optimizer state, what
-# autograd saves, FSDP's buffers). A run also needs the CUDA context, cuBLAS and NCCL workspaces,
-# the caching allocator's reserve and backward's short-lived tensors. SC25 published 26.6 GB per
-# GPU for `mp` at tensor parallel 4 x data parallel 4, where the model counts 16.0 GB (1.66 x):
-# a command passes when the count stays within 60 % of the GPU (24 GB of a 40 GB A100).
-MEMORY_SHARE = 0.6
+# autograd saves, FSDP's buffers). A run also holds the CUDA context, cuBLAS, cuDNN and NCCL
+# workspaces, the data loader's device buffers, the caching allocator's reserve and backward's
+# short-lived tensors. The SC23 and SC25 tutorials' pages (the same ViT, in their own code) show
+# logs of 40.1 and 44.9 GB after the forward pass of `mp` (bf16, local batch 16) at data parallel
+# 4 on 80 GB A100s, where this model counts 32.4 GB, and SC25's of 33.2 GB at tensor parallel 4 x
+# data parallel 4, counted 16.0 GB: 8 to 17 GB beyond the count. A command passes when the count leaves 45 %
+# of the GPU free: at most 22 GB of a 40 GB A100 (18 GB left), 44 GB of an 80 GB one.
+MEMORY_SHARE = 0.55
 HAND_RUN = "srun_pm.sh"  # runs a script in an allocation as the submit scripts do
 SLURM_COMMON = (REPO / "scripts" / "slurm_common.sh").read_text()
 TUTORIAL_DATA = re.search(r'DATADIR:=([^}"]+)', SLURM_COMMON).group(1)  # the submit scripts' default
@@ -64,35 +68,43 @@ class Job:
     args: list[str]  # the entry's arguments
     ranks: int
     per_node: int  # ranks on each node
-    constraint: str  # Slurm's -C
-    cpus_per_task: int
+    slurm: dict[str, str]  # the job's Slurm options (the submit script's, then the command's)
     by_hand: bool  # run inside salloc, not submitted
 
     @property
     def gpu_bytes(self) -> float:
-        return GPU_BYTES["hbm80g" if "hbm80g" in self.constraint else "gpu"]
+        return GPU_BYTES["hbm80g" if "hbm80g" in self.slurm.get("constraint", "") else "gpu"]
+
+    @property
+    def gpus_per_node(self) -> int:
+        """The GPUs the job's ranks on one node have (one each, or the node's)."""
+        if "gpus-per-task" in self.slurm:
+            return int(self.slurm["gpus-per-task"]) * self.per_node
+        if "gpus-per-node" in self.slurm:
+            return int(self.slurm["gpus-per-node"])
+        return int(self.slurm.get("gpus", 0)) // max(1, self.ranks // self.per_node)
 
 
 # ------------------------------------------------------------------ reading the pages ---
-SLURM_VALUE_OPTIONS = {"-N": "nodes", "--nodes": "nodes", "-n": "ntasks", "--ntasks": "ntasks",
-                       "--ntasks-per-node": "ntasks-per-node", "-C": "constraint", "--constraint": "constraint",
-                       "-c": "cpus-per-task", "--cpus-per-task": "cpus-per-task",
-                       "--gpus-per-task": "gpus-per-task", "--gpus-per-node": "gpus-per-node",
-                       "--gpus": "gpus", "-G": "gpus", "-q": "qos", "--qos": "qos", "-t": "time", "--time": "time",
-                       "-A": "account", "--account": "account", "-J": "job-name", "-o": "output",
-                       "--signal": "signal"}
+SLURM_OPTIONS = {  # option -> name, for the options with a value
+    "nodes": ("-N", "--nodes"), "ntasks": ("-n", "--ntasks"), "ntasks-per-node": ("--ntasks-per-node",),
+    "constraint": ("-C", "--constraint"), "cpus-per-task": ("-c", "--cpus-per-task"),
+    "gpus-per-task": ("--gpus-per-task",), "gpus-per-node": ("--gpus-per-node",), "gpus": ("-G", "--gpus"),
+    "qos": ("-q", "--qos"), "time": ("-t", "--time"), "account": ("-A", "--account"),
+    "job-name": ("-J", "--job-name"), "output": ("-o", "--output"), "signal": ("--signal",)}
+SLURM_VALUE_OPTIONS = {option: name for name, options in SLURM_OPTIONS.items() for option in options}
+SLURM_SWITCHES = ("--requeue", "--exclusive", "-u", "--unbuffered", "--kill-on-bad-exit")
 
 
 def slurm_options(words: list[str]) -> tuple[dict[str, str], list[str]]:
-    """Slurm's options at the start of ``words`` (names as in SLURM_VALUE_OPTIONS), and the rest."""
+    """Slurm's options at the start of ``words`` (by their names in SLURM_OPTIONS), and the rest."""
     options, words = {}, list(words)
     while words and words[0].startswith("-"):
         word = words.pop(0)
         name, _, value = word.partition("=")
-        if name not in SLURM_VALUE_OPTIONS:
-            if name in ("--requeue", "--exclusive", "-u", "--unbuffered") or name.startswith("--kill-on-bad-exit"):
-                continue
-            raise AssertionError(f"unknown Slurm option {word}")
+        if name in SLURM_SWITCHES:
+            continue
+        assert name in SLURM_VALUE_OPTIONS, f"unknown Slurm option {word}"
         options[SLURM_VALUE_OPTIONS[name]] = value or words.pop(0)
     return options, words
 
@@ -107,7 +119,7 @@ def script_options(script: str) -> dict[str, str]:
 def allocation_before(cmd: Command) -> str | None:
     """The `salloc ...` a comment names above a hand-run command, in the same code block."""
     lines = (REPO / cmd.page).read_text().splitlines()
-    for raw in reversed(lines[:cmd.line - 1]):
+    for raw in reversed(lines[:max(cmd.line - 1, 0)]):
         if raw.strip().startswith("```"):
             return None
         found = re.search(r"\bsalloc\s+([^)]*)", raw)
@@ -132,13 +144,9 @@ def resolve(cmd: Command) -> Job:
         index = next(i for i, w in enumerate(words) if w.endswith(".py"))
         entry, args, by_hand = words[index], words[index + 1:], True
     nodes = int(options.get("nodes", 1))
-    if "ntasks" in options:
-        ranks = int(options["ntasks"])
-    else:
-        ranks = nodes * int(options.get("ntasks-per-node", 1))
+    ranks = int(options.get("ntasks", nodes * int(options.get("ntasks-per-node", 1))))
     per_node = min(ranks, int(options.get("ntasks-per-node", ranks)))
-    return Job(cmd, entry, args, ranks, per_node, options.get("constraint", ""),
-               int(options.get("cpus-per-task", 1)), by_hand)
+    return Job(cmd, entry, args, ranks, per_node, options, by_hand)
 
 
 def perlmutter_commands() -> list[Command]:
@@ -152,11 +160,24 @@ COMMANDS = perlmutter_commands()
 
 
 # ------------------------------------------------------------------ the checks ---
+@functools.cache
+def resolved(args: tuple[str, ...], strict: bool = True) -> tuple[Config, str]:
+    """The Config and configuration name of a training script's arguments, as the launcher
+    resolves them (the configuration checks run here: a refused combination raises ValueError).
+    Not ``strict``: another script's arguments, of which the configuration's are read."""
+    parser = arg_parser()
+    if strict:
+        try:
+            parsed = parser.parse_args(list(args))
+        except SystemExit:
+            raise AssertionError(f"the training script rejects the flags {' '.join(args)}") from None
+    else:
+        parsed = parser.parse_known_args(list(args))[0]
+    return resolve_config(parsed), parsed.config
+
+
 def configuration(job: Job) -> tuple[Config, str]:
-    """The run's Config and configuration name, resolved as the launcher resolves them (the
-    configuration checks run here: a refused combination raises ValueError)."""
-    args = arg_parser().parse_known_args(job.args)[0]
-    return resolve_config(args), args.config
+    return resolved(tuple(job.args), Path(job.entry).name in TRAIN_SCRIPTS)
 
 
 def layout_of(job: Job) -> tuple[Config, dict[str, int], int]:
@@ -240,27 +261,31 @@ def check_paths(job: Job) -> None:
             continue
         ok = (not path.startswith("/") and "$" not in path.split("/")[0]  # in the repository
               or path.startswith(("$SCRATCH/", "${SCRATCH}/", TUTORIAL_DATA, *CONTAINER_PATHS)))
-        assert ok, f"{path} is not a Perlmutter path: use $SCRATCH/..., the tutorial's data folder or a relative one"
+        assert ok, (f"{path} is not a Perlmutter path: use $SCRATCH/..., the tutorial's data folder or "
+                    f"one inside the repository")
 
 
 def check_resources(job: Job, cfg: Config) -> None:
-    """One rank per GPU (NCCL refuses two on one), GPU nodes, and CPUs for the data workers."""
-    assert job.per_node <= GPUS_PER_NODE, f"{job.per_node} ranks on a node of {GPUS_PER_NODE} GPUs"
-    assert job.constraint.split("&")[0].strip('"') == "gpu", f"-C {job.constraint}: not Perlmutter's GPU nodes"
-    assert cfg.num_data_workers < job.cpus_per_task, (
-        f"{cfg.num_data_workers} data workers on {job.cpus_per_task} CPU(s) per task: give the "
-        f"allocation -c 32, as the submit scripts have")
+    """GPU nodes, a GPU for every rank (NCCL refuses two ranks on one), CPUs for the data workers."""
+    constraint = job.slurm.get("constraint", "")
+    assert constraint.strip('"').split("&")[0] == "gpu", f"-C {constraint or '(none)'}: not the GPU nodes"
+    assert job.per_node <= min(GPUS_PER_NODE, job.gpus_per_node), (
+        f"{job.per_node} rank(s) on a node where the job has {job.gpus_per_node} GPU(s): one rank per GPU")
+    cpus = int(job.slurm.get("cpus-per-task", 1))
+    assert cfg.num_data_workers < cpus, (f"{cfg.num_data_workers} data workers on {cpus} CPU(s) per task: "
+                                         f"give the allocation -c 32, as the submit scripts have")
 
 
 def check_comment(job: Job, sizes: dict[str, int], local_batch: int) -> None:
     """(f) The command's own comment: '# 16 GPUs', 'local batch 16', 'M=4, D=4'."""
-    raw = (REPO / job.cmd.page).read_text().splitlines()[job.cmd.line - 1]
+    raw = (REPO / job.cmd.page).read_text().splitlines()[job.cmd.line - 1] if job.cmd.line else ""
     comment = raw.split(" # ", 1)[1] if " # " in raw else ""
     model = math.prod(s for n, s in sizes.items() if n != meshes.DATA)
     for pattern, actual in ((r"(\d+) GPUs", job.ranks), (r"local batch (\d+)", local_batch),
                             (r"M=(\d+)", model), (r"D=(\d+)", sizes[meshes.DATA])):
         said = re.search(pattern, comment)
-        assert not said or int(said.group(1)) == actual, f"the comment says '{said.group(0)}', the run has {actual}"
+        assert not said or int(said.group(1)) == actual, (f"the comment says '{said.group(0)}', the run "
+                                                          f"has {actual}")
 
 
 def prose(page: Path) -> list[tuple[int, str]]:
@@ -294,7 +319,7 @@ def needs_container(span: str) -> bool:
         if words[0] != "srun" or Path(script).name not in ("train.py", "train_mp.py", "train_graph.py"):
             return False
         config = "base"
-    cfg = resolve_config(arg_parser().parse_args(["--config", config]))
+    cfg = resolved(("--config", config))[0]
     return any((p + "/").startswith(m + "/") for p in (cfg.data_dir, cfg.expdir) for m in CONTAINER_PATHS)
 
 
@@ -317,11 +342,9 @@ def check_page_paths(page: Path) -> list[str]:
     /pscratch/$USER; the one other /pscratch path is the tutorial's data folder."""
     problems = []
     for number, line in enumerate(page.read_text().splitlines(), 1):
-        for path in re.findall(r"/pscratch/[^\s`'\")]*", line):
-            if not path.startswith(TUTORIAL_DATA):
-                problems.append(f"line {number}: {path} (use $SCRATCH/...)")
-        if re.search(r"/global/cscratch|\$USER/|/pscratch/\$", line):
-            problems.append(f"line {number}: not a Perlmutter path: {line.strip()[:80]}")
+        wrong = [p for p in re.findall(r"/pscratch/[^\s`'\")]*", line) if not p.startswith(TUTORIAL_DATA)]
+        wrong += re.findall(r"/global/cscratch\S*", line)  # Cori's scratch, gone with Cori
+        problems += [f"line {number}: {p} is not a Perlmutter path (scratch is $SCRATCH)" for p in wrong]
     return problems
 
 
@@ -391,10 +414,10 @@ PLACEMENTS = (
               "inside a node", "--tensor_parallel=4 --pipeline_parallel=2\n", "tp", "inside"),
     Placement("docs/07-pipeline-parallel.md", "sends only the stage boundary's tokens between the\nnodes",
               "--tensor_parallel=4 --pipeline_parallel=2\n", "pp", "across"),
-    Placement("docs/05-model-parallel.md", "a tensor-parallel group is\nconsecutive ranks, i.e. GPUs of one node",
-              "--config=mp --tensor_parallel=4 ", "tp", "inside"),
+    Placement("docs/05-model-parallel.md", "a tensor-parallel group is\nconsecutive ranks, i.e. GPUs of one "
+              "node", "--config=mp --tensor_parallel=4\n", "tp", "inside"),
     Placement("docs/05-model-parallel.md", "data parallelism, which communicates once per step, goes\nacross "
-              "nodes", "--config=mp --tensor_parallel=4 ", "dp", "across"),
+              "nodes", "--config=mp --tensor_parallel=4\n", "dp", "across"),
 )
 
 
@@ -438,8 +461,9 @@ def test_what_a_page_says_about_where_ranks_sit(claim):
 
 
 # ------------------------------------------------ the checks find what they look for ---
-def job(text: str, page: str = "docs/x.md") -> Job:
-    return resolve(Command(1, text, page))
+def job(text: str) -> Job:
+    """A command that is on no page (line 0: no comment, no allocation above it)."""
+    return resolve(Command(0, text, "README.md"))
 
 
 @pytest.mark.parametrize("text, message", [
@@ -452,7 +476,7 @@ def job(text: str, page: str = "docs/x.md") -> Job:
     ("sbatch --nodes 1 submit_pm_dp.sh --config=short --dp_shard=2", "--dp_shard 2 sizes hsdp's"),
     ("sbatch --nodes 1 submit_pm_dp.sh --config=short --no-reshard_after_forward", "keeps FSDP's gathered"),
     ("sbatch --nodes 1 submit_pm_mp.sh --config=mp --pipeline_schedule=gpipe", "orders a pipeline's"),
-    ("sbatch --nodes 1 submit_pm_dp.sh --config=short --sequence_parallel", "use it with --tensor_parallel 2"),
+    ("sbatch --nodes 1 submit_pm_dp.sh --config=short --sequence_parallel", "with --tensor_parallel 2"),
     ("sbatch --nodes 1 submit_pm_dp.sh --config=short --cpu_offload", "use it with --data_parallel fsdp"),
     ("sbatch --nodes 1 submit_pm_mp.sh --config=mp --tensor_parallel=3", "world size 4 is not divisible"),
     ("sbatch --nodes 3 submit_pm_dp.sh --config=bs64_opt", "global_batch_size 64 is not divisible by the 12"),
@@ -471,10 +495,10 @@ def test_memory_beyond_the_gpu_is_found():
     """(c) SC23's flag name at one node: tp 4 x dp 1, local batch 64 (the cost model: about 57 GB
     in bf16, more than a 40 GB A100 holds); on 4 nodes, 16 GB; offloading leaves the states out."""
     one = job("sbatch --nodes 1 submit_pm_mp.sh --config=mp_short --row_parallel_size=4")
-    with pytest.raises(AssertionError, match=r"counts 6\d\.\d GB per GPU, more than 60% of the 40 GB GPU"):
+    with pytest.raises(AssertionError, match=r"counts 6\d\.\d GB per GPU, more than 55% of the 40 GB GPU"):
         check_job(one)
-    cfg, sizes, local = layout_of(job("sbatch --nodes 4 submit_pm_mp.sh --config=mp_short --row_parallel_size=4"))
-    assert 15e9 < gpu_memory(cfg, sizes, local, 4) < 17e9
+    four = layout_of(job("sbatch --nodes 4 submit_pm_mp.sh --config=mp_short --row_parallel_size=4"))
+    assert 15e9 < gpu_memory(*four, 4) < 17e9
     cfg, sizes, local = layout_of(job("sbatch --nodes 2 submit_pm_dp.sh --config=xl --data_parallel=fsdp"))
     kept = layout_of(job("sbatch --nodes 2 submit_pm_dp.sh --config=xl --data_parallel=fsdp --cpu_offload"))
     lay = cost_layout(cfg, sizes, local, 4)
@@ -492,7 +516,7 @@ def test_a_hand_run_without_the_container_is_found():
     line = next(i for i, raw in enumerate(lines, 1) if "salloc" in raw and raw.lstrip().startswith("#")) + 1
     bare = resolve(Command(line, "srun python train_graph.py --config short --amp_mode bf16", page))
     assert bare.by_hand and bare.ranks == 1
-    with pytest.raises(AssertionError, match="runs outside the container, where /data and /logs do not exist"):
+    with pytest.raises(AssertionError, match="outside the container, where /data and /logs do not exist"):
         check_job(bare)
     check_job(resolve(Command(line, f"bash {HAND_RUN} train_graph.py --config short --amp_mode bf16", page)))
     with pytest.raises(AssertionError, match="name the allocation"):
@@ -502,9 +526,9 @@ def test_a_hand_run_without_the_container_is_found():
 def test_paths_that_are_not_perlmutters_are_found(tmp_path):
     """(e) /pscratch/$USER on a page, or as a command's folder."""
     page = tmp_path / "page.md"
-    page.write_text(f"TORCH_FR_DUMP_TEMP_FILE=/pscratch/$USER/fr_\nthe data: {TUTORIAL_DATA}\n")
-    assert check_page_paths(page) == ["line 1: /pscratch/$USER/fr_ (use $SCRATCH/...)",
-                                      "line 1: not a Perlmutter path: TORCH_FR_DUMP_TEMP_FILE=/pscratch/$USER/fr_"]
+    page.write_text(f"FR=/pscratch/$USER/fr_\ndata: {TUTORIAL_DATA}\nLOGDIR=$SCRATCH/x /global/cscratch1\n")
+    assert [p.split(" is ")[0] for p in check_page_paths(page)] == ["line 1: /pscratch/$USER/fr_",
+                                                                    "line 3: /global/cscratch1"]
     with pytest.raises(AssertionError, match="not a Perlmutter path"):
         check_paths(job("LOGDIR=/pscratch/$USER/logs sbatch submit_pm.sh --config=short"))
     check_paths(job("LOGDIR=$SCRATCH/my-logs sbatch submit_pm.sh --config=short"))
@@ -516,7 +540,8 @@ def test_a_placement_that_the_mesh_does_not_give_is_found():
     inside = Placement("docs/09-experts.md", "", "", "ep", "inside")
     spanning = job("sbatch --nodes 4 submit_pm_mp.sh --config=mp --num_experts=16 --expert_parallel=4")
     assert groups_of(spanning)["ep"][0] == [0, 4, 8, 12]
-    assert inside.problem(spanning) == "ep groups [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14]] are not inside nodes"
+    assert inside.problem(spanning) == ("ep groups [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14]] are not "
+                                        "inside nodes")
     assert inside.problem(job("sbatch --nodes 4 submit_pm_mp.sh --config=mp --tensor_parallel=1 "
                               "--num_experts=16 --expert_parallel=4")) is None
     page = "docs/03-data-parallel.md"

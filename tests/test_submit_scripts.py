@@ -119,8 +119,8 @@ def test_srun_pm_runs_a_script_by_hand_in_the_submit_scripts_container(tmp_path)
         fake(bin_dir, name, log)
     environ = subprocess_env(PATH=f"{bin_dir}:{os.environ['PATH']}", LOGDIR=str(tmp_path / "logs"),
                              DATADIR="/my/era5", SLURM_JOB_ID="7", SLURM_CPUS_PER_TASK="32")
-    result = subprocess.run(["bash", str(REPO / "srun_pm.sh"), "scripts/lr_range_test.py", "--config", "short"],
-                            cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=60)
+    command = ["bash", str(REPO / "srun_pm.sh"), "scripts/lr_range_test.py", "--config", "short"]
+    result = subprocess.run(command, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     calls = log.read_text().splitlines()
     image = "shifter --image=nersc/pytorch:25.06.01 --module=gpu,nccl-plugin"
