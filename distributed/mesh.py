@@ -132,8 +132,9 @@ def check_takes_effect(cfg: Config, sizes: dict[str, int], ranks_per_node: int) 
         model = math.prod(sizes.values()) // dp
         split = [f"{DIMENSIONS[n]} {s}" for n, s in sizes.items() if s > 1]
         at = f" at {' x '.join(split)}" if split else ""
-        raise ValueError(f"{what}, and {model} rank(s){at} leave 1 data-parallel rank: start {2 * model} "
-                         f"ranks or more (on Perlmutter nodes x 4 GPUs), or leave the flag out")
+        ranks = f"{model} ranks{at} leave" if model > 1 else "1 rank leaves"
+        raise ValueError(f"{what}, but {ranks} 1 data-parallel rank: start {2 * model} ranks or more (on "
+                         f"Perlmutter nodes x 4 GPUs), or leave the flag out")
     if cfg.data_parallel == "hsdp":
         shard = hsdp_shard(cfg, dp, ranks_per_node)
         if shard == dp:

@@ -103,7 +103,7 @@ def test_bad_sizes(world, tp, cp, order, message):
 
 @pytest.mark.parametrize("world, flags, message", [
     (4, {"tensor_parallel": 4, "data_parallel": "fsdp"}, "--data_parallel fsdp shards over the data-parallel "
-     "ranks, and 4 rank(s) at tensor_parallel 4 leave 1 data-parallel rank: start 8 ranks or more"),
+     "ranks, but 4 ranks at tensor_parallel 4 leave 1 data-parallel rank: start 8 ranks or more"),
     (2, {"pipeline_parallel": 2, "data_parallel": "zero1"}, "--data_parallel zero1 shards over"),
     (1, {"grad_compression": "powersgd"}, "--grad_compression powersgd compresses the data-parallel"),
     (4, {"data_parallel": "hsdp"}, "hsdp with one sharding group of all 4 data-parallel ranks is fsdp"),

@@ -468,7 +468,7 @@ def job(text: str) -> Job:
 
 @pytest.mark.parametrize("text, message", [
     ("sbatch --nodes 4 submit_pm_mp.sh --config=large --tensor_parallel=4 --pipeline_parallel=4 "
-     "--data_parallel=fsdp", "--data_parallel fsdp shards over the data-parallel ranks, and 16 rank(s) at "
+     "--data_parallel=fsdp", "--data_parallel fsdp shards over the data-parallel ranks, but 16 ranks at "
                              "tensor_parallel 4 x pipeline_parallel 4 leave 1 data-parallel rank: start 32"),
     ("sbatch submit_pm.sh --config=short --data_parallel=zero1", "--data_parallel zero1 shards over"),
     ("sbatch submit_pm.sh --config=short --grad_compression=bf16", "--grad_compression bf16 compresses"),
