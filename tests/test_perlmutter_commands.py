@@ -8,7 +8,8 @@ submit script's, or the one named), and the named configuration of config/ViT.ya
 command's flags. Then:
 
 (a) the run's own start-up checks accept it: the config checks and `check_layout` in
-    training/launcher.py (sizes, model split, experts, batch split), run without a process;
+    training/launcher.py (sizes, model split, experts, batch split), run without a process
+    (train_graph.py's own refusals are made in its Trainer's constructor: not run here);
 (b) nothing it asks for is silently off: a layout flag its ranks would switch off is refused
     by those same checks (distributed/mesh.py `check_takes_effect`), so a learner sees it too;
 (c) the memory per GPU that the cost model (scripts/cost_model.py `memory`, in the run's
@@ -145,7 +146,7 @@ def resolve(cmd: Command) -> Job:
         entry, args, by_hand = words[index], words[index + 1:], True
     nodes = int(options.get("nodes", 1))
     ranks = int(options.get("ntasks", nodes * int(options.get("ntasks-per-node", 1))))
-    per_node = min(ranks, int(options.get("ntasks-per-node", ranks)))
+    per_node = min(ranks, int(options.get("ntasks-per-node", math.ceil(ranks / nodes))))
     return Job(cmd, entry, args, ranks, per_node, options, by_hand)
 
 
@@ -242,9 +243,13 @@ def check_container(job: Job, cfg: Config) -> None:
         wrapper = (REPO / HAND_RUN).read_text()
         assert "slurm_common.sh" in wrapper and re.search(r"^run_training ", wrapper, re.M)
         return
-    mounts = [p for p in CONTAINER_PATHS if (cfg.data_dir + "/").startswith(p + "/")
-              or (cfg.expdir + "/").startswith(p + "/")]
-    assert not mounts, (f"runs outside the container, where {' and '.join(mounts)} do not exist "
+    used = (cfg.data_dir, cfg.expdir)
+    needed = [m for m in CONTAINER_PATHS if any((p + "/").startswith(m + "/") for p in used)]
+    container = next((i for i, w in enumerate(words) if w in ("shifter", "podman-hpc")), None)
+    if container is not None:  # an explicit container: it must mount what the run reads and writes
+        mounted = " ".join(words[container:]).replace(";", " ")
+        needed = [m for m in needed if f":{m} " not in mounted + " " and f":{m}:" not in mounted]
+    assert not needed, (f"runs outside the container, where {' and '.join(needed)} do not exist "
                         f"(the submit scripts mount them): run it with bash {HAND_RUN} SCRIPT ...")
 
 
@@ -519,6 +524,11 @@ def test_a_hand_run_without_the_container_is_found():
     with pytest.raises(AssertionError, match="outside the container, where /data and /logs do not exist"):
         check_job(bare)
     check_job(resolve(Command(line, f"bash {HAND_RUN} train_graph.py --config short --amp_mode bf16", page)))
+    mounted = ('srun shifter --image=nersc/pytorch:25.06.01 --volume="$DATADIR:/data;$SCRATCH/logs:/logs" '
+               'python train_graph.py --config short')
+    check_job(resolve(Command(line, mounted, page)))
+    with pytest.raises(AssertionError, match="where /logs do not exist"):
+        check_job(resolve(Command(line, mounted.replace(";$SCRATCH/logs:/logs", ""), page)))
     with pytest.raises(AssertionError, match="name the allocation"):
         job(f"bash {HAND_RUN} train_graph.py --config short")
 
