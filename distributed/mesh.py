@@ -106,6 +106,43 @@ def check_expert_parallel(dp_size: int, ep: int) -> None:
                          f"choose a divisor (the expert-parallel ranks are data-parallel ranks)")
 
 
+def hsdp_shard(cfg: Config, dp_size: int, ranks_per_node: int) -> int:
+    """HSDP's sharding group: ``dp_shard`` ranks, by default the ranks of one node."""
+    shard = cfg.dp_shard or ranks_per_node
+    if dp_size % shard:
+        raise ValueError(f"--dp_shard {shard} does not divide the {dp_size} data-parallel ranks; "
+                         f"choose a divisor (hsdp makes dp / dp_shard groups of dp_shard ranks)")
+    return shard
+
+
+def check_takes_effect(cfg: Config, sizes: dict[str, int], ranks_per_node: int) -> None:
+    """A layout flag that these sizes would switch off is refused, not ignored: the run would
+    otherwise train something other than what was asked for. ``sizes``: every dimension, dp
+    included (check_sizes' result). DeepSpeed's stages are its own (ZeRO-Offload on one rank
+    is a use of it)."""
+    if cfg.engine != "native":
+        return
+    dp, what = sizes[DATA], None
+    if dp == 1 and cfg.data_parallel != "ddp":  # distributed/sharding.py: fsdp_active, zero1_active
+        offload = " with --cpu_offload" if cfg.cpu_offload else ""
+        what = f"--data_parallel {cfg.data_parallel}{offload} shards over the data-parallel ranks"
+    elif dp == 1 and cfg.grad_compression != "none":  # DDP's hook: no DDP with one replica
+        what = f"--grad_compression {cfg.grad_compression} compresses the data-parallel all-reduce"
+    if what:
+        model = math.prod(sizes.values()) // dp
+        split = [f"{DIMENSIONS[n]} {s}" for n, s in sizes.items() if s > 1]
+        at = f" at {' x '.join(split)}" if split else ""
+        ranks = f"{model} ranks{at} leave" if model > 1 else "1 rank leaves"
+        raise ValueError(f"{what}, but {ranks} 1 data-parallel rank: start {2 * model} ranks or more (on "
+                         f"Perlmutter nodes x 4 GPUs), or leave the flag out")
+    if cfg.data_parallel == "hsdp":
+        shard = hsdp_shard(cfg, dp, ranks_per_node)
+        if shard == dp:
+            raise ValueError(f"--data_parallel hsdp with one sharding group of all {dp} data-parallel ranks "
+                             f"is fsdp (nothing is replicated); use --data_parallel fsdp, or more ranks "
+                             f"than --dp_shard {shard} (a node's ranks by default)")
+
+
 def _strides(sizes: dict[str, int]) -> dict[str, int]:
     """A rank's coordinate along a dimension has stride = product of the sizes before it."""
     strides, s = {}, 1
@@ -132,6 +169,27 @@ def group_layouts(world_size: int, sizes: dict[str, int], order: str = "tp-cp-dp
             groups.append([base + i * strides[name] for i in range(full[name])])
         layouts[name] = sorted(groups)
     return layouts
+
+
+def expert_layouts(world_size: int, sizes: dict[str, int], order: str, ep: int) -> dict[str, list[list[int]]]:
+    """The expert-parallel groups as rank lists (distributed/experts.py): "ep", consecutive blocks
+    of ``ep`` ranks of each dp group, which share out the experts; "ep_replicas", the ranks at the
+    same place in every block of a dp group, which hold the same experts."""
+    others = {n: s for n, s in sizes.items() if n != DATA}
+    layouts: dict[str, list[list[int]]] = {"ep": [], "ep_replicas": []}
+    for ranks in group_layouts(world_size, others, order)[DATA]:
+        check_expert_parallel(len(ranks), ep)
+        layouts["ep"] += [ranks[i:i + ep] for i in range(0, len(ranks), ep)]
+        layouts["ep_replicas"] += [ranks[j::ep] for j in range(ep)]
+    return layouts
+
+
+def hsdp_layouts(world_size: int, shard: int) -> dict[str, list[list[int]]]:
+    """HSDP's groups (dp alone, distributed/sharding.py): "dp_shard", rows of ``shard``
+    consecutive ranks that shard the model; "dp_replicate", the ranks at the same place in every
+    row, which hold the same shard and average its gradient."""
+    rows = [list(range(start, start + shard)) for start in range(0, world_size, shard)]
+    return {"dp_shard": rows, "dp_replicate": [list(column) for column in zip(*rows)]}
 
 
 def mesh_ranks(sizes: dict[str, int]) -> torch.Tensor:

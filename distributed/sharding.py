@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed.mesh import ParallelMesh
+from distributed.mesh import ParallelMesh, hsdp_layouts, hsdp_shard
 from distributed.tags import spec
 from utils import compat
 from utils import device as dev
@@ -85,11 +85,8 @@ def hsdp_mesh(mesh: ParallelMesh, cfg: Config) -> Any:
     sends each gradient once per step instead of gathering weights over the slow network."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    shard = cfg.dp_shard or int(os.environ.get("LOCAL_WORLD_SIZE", mesh.dp_size))
-    if mesh.dp_size % shard:
-        raise ValueError(f"--dp_shard {shard} does not divide the {mesh.dp_size} data-parallel ranks; "
-                         f"choose a divisor (hsdp makes dp / dp_shard groups of dp_shard ranks)")
-    ranks = torch.arange(dist.get_world_size()).reshape(mesh.dp_size // shard, shard)  # dp alone here
+    shard = hsdp_shard(cfg, mesh.dp_size, int(os.environ.get("LOCAL_WORLD_SIZE", mesh.dp_size)))
+    ranks = torch.tensor(hsdp_layouts(dist.get_world_size(), shard)["dp_shard"])  # dp alone here
     return DeviceMesh(mesh.device_mesh.device_type, ranks, mesh_dim_names=("dp_replicate", "dp_shard"))
 
 

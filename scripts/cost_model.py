@@ -269,7 +269,7 @@ def zero1_owner(shapes: list[tuple[str, tuple[int, ...]]], dp: int) -> dict[str,
     return owner
 
 
-def activation_bytes(m: Model, lay: Layout, pp_rank: int = 0) -> dict[str, int]:
+def activation_bytes(m: Model, lay: Layout, pp_rank: int = 0, dtype: str = "float32") -> dict[str, int]:
     """Bytes autograd keeps for backward at the peak of one step, counted tensor by tensor (the
     page lists them). Per token of a block: its input x, the normalised x (saved by qkv), the
     q/k/v projection (3D / tp), the attention output (D / tp) and its log-sum-exp (h / tp), x
@@ -278,48 +278,72 @@ def activation_bytes(m: Model, lay: Layout, pp_rank: int = 0) -> dict[str, int]:
     gathered keys and values (2 N D / tp per sample); a checkpointed block keeps its input only.
     A pipeline stage holds the micro-batches in flight: all m (GPipe), pp - rank (1F1B). A mixture
     of experts' block is an estimate (balanced routing; the indices it keeps are left out): not
-    checked."""
+    checked.
+
+    ``dtype`` bfloat16 (or float16): the run's matmuls under autocast. They save their inputs
+    and outputs in 2 bytes (the normalised x, q/k/v, the attention output, fc1's and GELU's
+    outputs, the head's input, the patch embedding's input) and a 2-byte copy of each weight
+    they use; the residual stream x, the layer norms' statistics, the log-sum-exp and the
+    loss stay fp32."""
     D, F, h, N, tp = m.dim, m.hidden, m.heads, m.tokens, lay.tp
+    low = 2 if dtype in ("bfloat16", "float16") else E  # bytes of a matmul's saved element
     n = N // lay.cp
     blocks, first, last = stage_blocks(m, lay, pp_rank)
 
     def per_sample_block(i: int, kept: bool) -> int:
         if not kept:  # checkpointed: the input only
-            return n * D
+            return E * n * D
+        # x and x after attention (the residual stream), the norms' statistics, the two normalised x
+        replicated = E * n * (2 * D + 4) + low * n * 2 * D
         if m.moe(i):  # router logits and probabilities, then each routed token's MLP (balanced)
-            mlp = n * 2 * m.num_experts + n * m.top_k * (D + 2 * F)  # balanced: see block_matmuls
-            return n * (4 * D + 4) + n * (4 * D + h) // tp + mlp
-        full = n * (4 * D + 4) + n * (4 * D + h + 2 * F) // tp
-        return full + (2 * N * D // tp if lay.cp > 1 else 0)
+            mlp = E * n * 2 * m.num_experts + low * n * m.top_k * (D + 2 * F)  # balanced: see block_matmuls
+            return replicated + low * (n * 4 * D // tp) + E * (n * h // tp) + mlp
+        split = low * (n * (4 * D + 2 * F) // tp) + E * (n * h // tp)
+        return replicated + split + (low * 2 * N * D // tp if lay.cp > 1 else 0)
 
     ckpt = {i: not recomputed(lay, i) for i in blocks}
     sample = {"blocks": sum(per_sample_block(i, ckpt[i]) for i in blocks)}
     if last:  # final norm's input and stats, the head's input; the loss keeps pred - target, and
-        sample["head and loss"] = n * (2 * D + 2) + m.c_out * m.pixels + m.c_out  # ||target||^2 per channel
+        sample["head and loss"] = E * n * (D + 2) + low * n * D + E * (m.c_out * m.pixels + m.c_out)
+        # ||target||^2 per channel
     if first and lay.cp > 1:  # the first block's input is a slice (a view) of the whole sequence
-        sample["blocks"] += (N - n) * D
+        sample["blocks"] += E * (N - n) * D
     b = lay.local_batch
     if lay.pp > 1:  # micro-batches alive at once on this rank
         flight = lay.microbatches if lay.schedule == "gpipe" else min(lay.microbatches, lay.pp - pp_rank)
         if lay.chunks > 1:  # interleaved: each chunk's micro-batches in flight, at most all
             flight = min(lay.microbatches, lay.pp - pp_rank + (lay.chunks - 1) * lay.pp)
         per_mb = b // lay.microbatches
-        out = {k: E * v * per_mb * flight for k, v in sample.items()}
+        out = {k: v * per_mb * flight for k, v in sample.items()}
     else:
-        out = {k: E * v * b for k, v in sample.items()}
+        out = {k: v * b for k, v in sample.items()}
     if first:  # the convolution keeps the input batch (micro-batches are views of it)
-        out["input"] = E * b * m.c_in * m.pixels
+        out["input"] = low * b * m.c_in * m.pixels
+    if low != E:  # autocast's low-precision copy of each weight a kept forward multiplies by
+        out["weight copies"] = low * sum(math.prod(s) for name, s in rank_parameters(m, lay, pp_rank)
+                                         if _matmul_weight(name) and ckpt.get(_block_of(name), True))
     out["total"] = sum(out.values())
     return out
 
 
-def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0) -> dict[str, int]:
+def _matmul_weight(name: str) -> bool:
+    return name.endswith("weight") and not name.split(".")[-2].startswith("norm")
+
+
+def _block_of(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("blocks.") else None
+
+
+def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0,
+           dtype: str = "float32") -> dict[str, int]:
     """Bytes this rank holds, by kind. Adam keeps two moments per element and a 4-byte step count
     per tensor. ddp: everything; zero1: the moments of the tensors it owns; fsdp: its dim-0 shard
     of everything (hsdp: its shard within its group). Also: the recomputed block of activation
     checkpointing (one block's activations while its backward runs) and FSDP's communication
     buffers (one block's gathered weights and gradients, the next block's prefetched weights);
-    not checked: neither is in the tensors a run can count on a CPU."""
+    not checked: neither is in the tensors a run can count on a CPU. ``dtype``: the matmuls'
+    precision under autocast (the activations, see activation_bytes); weights, gradients and
+    Adam's state stay fp32."""
     shapes = rank_parameters(m, lay, pp_rank)
     if lay.sharded:  # HSDP's groups are rows of dp_shard consecutive data-parallel ranks
         local = {n: fsdp_rows(s[0], lay.shard, dp_rank % lay.shard) * math.prod(s[1:]) for n, s in shapes}
@@ -328,14 +352,15 @@ def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0) -> dict[st
         local = {n: math.prod(s) for n, s in shapes}
         owner = zero1_owner(shapes, lay.dp) if lay.data_parallel == "zero1" and lay.dp > 1 else {}
         owned = {n for n in local if owner.get(n, dp_rank) == dp_rank}
-    act = activation_bytes(m, lay, pp_rank)
+    act = activation_bytes(m, lay, pp_rank, dtype)
     out = {"parameters": E * sum(local.values()), "gradients": E * sum(local.values()),
            "optimizer_state": sum(2 * E * local[n] + 4 for n in owned),
            "activations": act["total"]}
     extra = {}
     if lay.checkpointing != "none":
         blocks = stage_blocks(m, lay, pp_rank)[0]
-        full = activation_bytes(m, replace(lay, checkpointing="none", pp=1, ranks=lay.ranks // lay.pp))
+        full = activation_bytes(m, replace(lay, checkpointing="none", pp=1, ranks=lay.ranks // lay.pp),
+                                dtype=dtype)
         extra["recompute (one block)"] = (full["blocks"] // max(1, m.depth)) if blocks else 0
     if lay.sharded:
         block = sum(math.prod(s) for n, s in shapes if n.startswith("blocks.0."))
@@ -718,7 +743,7 @@ def plan(m: Model, ranks: int, batch: int, gpu_memory: float, machine: dict[str,
     term that dominates each one's step."""
     rows = []
     for lay in candidate_layouts(m, ranks, batch, cfg, machine.get("gpus_per_node") or 0):
-        need = max(memory(m, lay, r)["total"] for r in range(lay.pp))  # the fullest pipeline stage
+        need = max(memory(m, lay, r, dtype=dtype)["total"] for r in range(lay.pp))  # the fullest stage
         if need > gpu_memory:
             continue
         t = step_time(m, lay, machine, dtype)
@@ -852,7 +877,7 @@ def show(m: Model, lay: Layout, machine: dict[str, Any] | None, dtype: str) -> s
         f = flops(m, lay, pp_rank)
         lines.append(f"{who}{f['total'] / 1e9:.3f} GFLOP per step (" +
                      ", ".join(f"{k} {v / 1e9:.3f}" for k, v in f.items() if k != "total") + ")")
-        mem = memory(m, lay, pp_rank)
+        mem = memory(m, lay, pp_rank, dtype=dtype)
         lines.append(f"{who}memory {mem['total'] / MIB:.1f} MiB: " +
                      ", ".join(f"{k} {v / MIB:.1f}" for k, v in mem.items() if k != "total"))
         for kind, (nbytes, calls) in collectives(m, lay, pp_rank).items():
@@ -885,7 +910,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation_checkpointing", default="none", choices=("none", "full", "selective"))
     p.add_argument("--global_batch_size", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="the matmuls' precision for the time (memory is counted in fp32)")
+                   help="the matmuls' precision (autocast): the time, and the activations' bytes (weights, "
+                   "gradients and Adam's state are fp32)")
     p.add_argument("--machine", default=None, help="constants file (default: OUT/machine.json, which "
                    "--calibrate and --check write) or "
                    f"a known system: {', '.join(GPU_SYSTEMS)}")

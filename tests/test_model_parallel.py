@@ -7,6 +7,7 @@ failure on any rank fails the test on all of them.
 
 from __future__ import annotations
 
+import re
 import weakref
 
 import pytest
@@ -17,7 +18,18 @@ from torch import nn
 from distributed import mappings as M
 from distributed.clipping import clip_grad_norm
 from distributed.consolidate import full_state, load_full_state, take_shard
-from distributed.mesh import ParallelMesh, build_mesh, check_model, check_sizes, group_layouts, parse_order
+from distributed.mesh import (
+    ParallelMesh,
+    build_mesh,
+    check_model,
+    check_sizes,
+    check_takes_effect,
+    expert_layouts,
+    group_layouts,
+    hsdp_layouts,
+    parse_order,
+    requested_sizes,
+)
 from distributed.parallelize import apply_model_parallel
 from distributed.tags import ParamSpec, wrap_data_parallel
 from networks.vit import ViT
@@ -87,6 +99,36 @@ def test_order_may_leave_out_dimensions_and_sizes_follow_it():
 def test_bad_sizes(world, tp, cp, order, message):
     with pytest.raises(ValueError, match=message):
         check_sizes(world, {"tp": tp, "cp": cp}, order)
+
+
+@pytest.mark.parametrize("world, flags, message", [
+    (4, {"tensor_parallel": 4, "data_parallel": "fsdp"}, "--data_parallel fsdp shards over the data-parallel "
+     "ranks, but 4 ranks at tensor_parallel 4 leave 1 data-parallel rank: start 8 ranks or more"),
+    (2, {"pipeline_parallel": 2, "data_parallel": "zero1"}, "--data_parallel zero1 shards over"),
+    (1, {"grad_compression": "powersgd"}, "--grad_compression powersgd compresses the data-parallel"),
+    (4, {"data_parallel": "hsdp"}, "hsdp with one sharding group of all 4 data-parallel ranks is fsdp"),
+    (4, {"data_parallel": "hsdp", "dp_shard": 3}, "--dp_shard 3 does not divide the 4 data-parallel ranks"),
+])
+def test_a_layout_flag_the_ranks_would_switch_off_is_refused(cfg_factory, world, flags, message):
+    """fsdp_active and zero1_active are False with one data-parallel rank, DDP (and its
+    compression hook) is not built: the flag would be ignored. HSDP with one group is FSDP."""
+    cfg = cfg_factory(**flags)
+    sizes = check_sizes(world, requested_sizes(cfg), cfg.parallel_order)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_takes_effect(cfg, sizes, ranks_per_node=4)
+    check_takes_effect(cfg, check_sizes(world * 6, requested_sizes(cfg), cfg.parallel_order), 4)  # more ranks
+
+
+def test_expert_and_hsdp_groups_are_the_codes(cfg_factory):
+    """The rank lists distributed/experts.py and distributed/sharding.py build their groups from."""
+    sizes = check_sizes(16, {"tp": 4, "cp": 1, "pp": 1})
+    assert expert_layouts(16, sizes, "tp-cp-dp-pp", 4)["ep"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14],
+                                                                 [3, 7, 11, 15]]
+    sizes = check_sizes(16, {"tp": 1, "cp": 1, "pp": 1})
+    layouts = expert_layouts(16, sizes, "tp-cp-dp-pp", 4)
+    assert layouts["ep"][1] == [4, 5, 6, 7] and layouts["ep_replicas"][0] == [0, 4, 8, 12]
+    assert hsdp_layouts(8, 4) == {"dp_shard": [[0, 1, 2, 3], [4, 5, 6, 7]],
+                                  "dp_replicate": [[0, 4], [1, 5], [2, 6], [3, 7]]}
 
 
 def test_model_must_split(cfg_factory):

@@ -342,12 +342,17 @@ def check_deepspeed_launcher(cmd: Command, runner: Runner) -> None:
 
 
 def check_srun(cmd: Command, runner: Runner) -> None:
-    """`srun python X.py ...` on a GPU node (CUDA Graphs): the script exists and its flags parse."""
+    """`srun python X.py ...` or `bash srun_pm.sh X.py ...` in an allocation on a GPU node: the
+    script exists and a training script's flags parse (tests/test_perlmutter_commands.py checks
+    the rest: layout, memory, container, paths)."""
     _, words = cmd.env_and_words
     index = next(i for i, w in enumerate(words) if w.endswith(".py"))
     script = Path(words[index]).name
-    assert script in TRAIN_SCRIPTS and (REPO / words[index]).is_file(), cmd.text
-    check_train_flags(script, words[index + 1:])
+    assert (REPO / words[index]).is_file(), cmd.text
+    if script in TRAIN_SCRIPTS:
+        check_train_flags(script, words[index + 1:])
+    else:
+        assert config_of(words) in available_configs(), cmd.text
 
 
 def check_sbatch(cmd: Command, runner: Runner) -> None:
@@ -420,7 +425,7 @@ RULES = [
     (r"^([A-Z_]+=\S+ )*(python3?|\.venv/bin/python|torchrun)\b", check_local_python),
     (r"^([A-Z_]+=\S+ )*sbatch\b", check_sbatch),
     (r"^make\b", check_make),
-    (r"^srun\b", check_srun),
+    (r"^srun\b|^bash srun_pm\.sh ", check_srun),
     (r"^deepspeed\b", check_deepspeed_launcher),
     (r"^\.venv/bin/tensorboard\b|^tensorboard\b", check_tensorboard),
     (r"^source \.venv/bin/activate$", check_activate),

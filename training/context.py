@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from distributed.mesh import ParallelMesh
+from utils.config import Config
 
 
 class TrainingError(RuntimeError):
@@ -56,6 +57,15 @@ def local_batch_size(global_batch: int, dp_size: int, override: int | None = Non
             f"ranks; choose a batch that is a multiple of {dp_size} or pass --local_batch_size"
         )
     return global_batch // dp_size
+
+
+def check_micro_batches(cfg: Config, local_batch: int) -> None:
+    """The local batch splits into the micro-batches of gradient accumulation or of a pipeline."""
+    for count, flag in ((cfg.grad_accum_steps, "--grad_accum_steps"),
+                        (cfg.num_microbatches if cfg.pipeline_parallel > 1 else 1, "--num_microbatches")):
+        if local_batch % count:
+            raise ValueError(f"the local batch of {local_batch} samples does not split into {flag} {count} "
+                             f"equal micro-batches; choose a number of micro-batches that divides it")
 
 
 class Callback:

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from distributed import mesh as meshes
 from distributed.env import any_rank, heartbeat, init_distributed, parse_env
 from training import run_dir as rundir
-from training.context import RunContext, local_batch_size
-from training.trainer import Callback, EagerStep, Trainer, TrainingError
+from training.context import Callback, RunContext, local_batch_size
+from training.trainer import EagerStep, Trainer, TrainingError
 from utils import device as dev
 from utils import signals
 from utils.config import DEFAULT_YAML, REPO_ROOT, Config, load_config, with_overrides
@@ -190,15 +190,30 @@ def precision_warning(cfg: Config, device: torch.device) -> str | None:
             f"--amp_mode none trains in fp32")
 
 
-def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunContext, int]:
+def check_layout(cfg: Config, config_name: str, model_parallel: bool, world_size: int,
+                 ranks_per_node: int, step: type[EagerStep] = EagerStep) -> tuple[dict[str, int], int]:
+    """Everything a run checks of its flags against its ranks before it starts a process group
+    (a pure function: tests/test_perlmutter_commands.py runs it on the pages' Slurm commands),
+    the step variant's own refusals included (``step``: the script's). Returns every dimension's
+    size (dp included) and the local batch; ValueError otherwise."""
+    _check_lesson(cfg, config_name, model_parallel)
+    full = meshes.check_sizes(world_size, meshes.requested_sizes(cfg), cfg.parallel_order)
+    meshes.check_expert_parallel(full[meshes.DATA], cfg.expert_parallel)
+    meshes.check_model(cfg)
+    meshes.check_takes_effect(cfg, full, ranks_per_node)
+    local_batch = local_batch_size(cfg.global_batch_size, full[meshes.DATA], cfg.local_batch_size)
+    step_for(cfg, step).check(cfg, None, local_batch)
+    return full, local_batch
+
+
+def set_up(args: argparse.Namespace, model_parallel: bool,
+           step: type[EagerStep] = EagerStep) -> tuple[Config, RunContext, int]:
     """Config, process group, mesh and run directory; raises ValueError for user mistakes."""
     env = parse_env()
     cfg = resolve_config(args)
-    _check_lesson(cfg, args.config, model_parallel)
     sizes = meshes.requested_sizes(cfg)
-    full = meshes.check_sizes(env.world_size, sizes, cfg.parallel_order)
-    meshes.check_expert_parallel(full[meshes.DATA], cfg.expert_parallel)
-    meshes.check_model(cfg)
+    _, local_batch = check_layout(cfg, args.config, model_parallel, env.world_size, env.local_world_size,
+                                  step)
     dev.set_cpu_threads(env.local_world_size)
     device = dev.pick_device(env.local_rank, env.local_world_size, share_gpus=cfg.dist_backend == "gloo")
     check_backend(cfg, device)
@@ -207,7 +222,6 @@ def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunC
     run_dir = run_dir_for(cfg, args.config, args.run_num or DEFAULT_RUN_NUM, mesh, model_parallel)
     ctx = RunContext(device=device, run_dir=run_dir, rank=env.rank, world_size=env.world_size,
                      local_rank=env.local_rank, mesh=mesh)
-    local_batch = local_batch_size(cfg.global_batch_size, ctx.dp_size, cfg.local_batch_size)
     return cfg, ctx, local_batch
 
 
@@ -244,7 +258,7 @@ def main(step: type[EagerStep] = EagerStep, argv: list[str] | None = None, descr
     try:
         if args.run_num is not None:
             rundir.check_run_num(args.run_num)
-        cfg, ctx, local_batch = set_up(args, model_parallel)
+        cfg, ctx, local_batch = set_up(args, model_parallel, step)
         rundir.check_can_create(ctx.run_dir)
         if args.run_num is None:  # a learner who named no run: never refused for other settings
             free = rundir.free_run_dir(ctx.run_dir, cfg)

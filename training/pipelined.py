@@ -22,11 +22,9 @@ import torch
 from distributed import consolidate, pipeline
 from distributed.parallelize import parallelize, serial_values
 from networks.vit import build_vit, count_parameters
-from training.context import RunContext
 from training.state import ModelState
 from training.trainer import EagerStep
 from utils import device as dev
-from utils.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +79,6 @@ class PipelineState(ModelState):
 
 class PipelineStep(EagerStep):
     state_class = PipelineState
-    @classmethod
-    def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
-        super().check(cfg, ctx, local_batch)
-        if local_batch % cfg.num_microbatches:
-            raise ValueError(f"the local batch of {local_batch} samples does not split into "
-                             f"--num_microbatches {cfg.num_microbatches} equal micro-batches; choose "
-                             f"a number of micro-batches that divides it")
-
     def build_model(self) -> pipeline.Pipeline:
         t = self.trainer
         with torch.device("meta"):  # as EagerStep.build_parallel_model: each stage allocates only itself

@@ -38,7 +38,7 @@ from distributed.env import all_reduce_max, all_reduce_sum, heartbeat
 from distributed.stop import StopAgreement
 from networks.vit import build_vit, count_parameters
 from training import checkpointing, reporting, validation
-from training.context import Callback, RunContext, TrainingError
+from training.context import Callback, RunContext, TrainingError, check_micro_batches
 from training.schedule import make_lr_lambda
 from training.state import LoopState, ModelState
 from utils import attention
@@ -95,10 +95,7 @@ class EagerStep:
     @classmethod
     def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
         """Refuse, in one line (ValueError), a configuration this step cannot run."""
-        if local_batch % cfg.grad_accum_steps:
-            raise ValueError(f"the local batch of {local_batch} samples does not split into "
-                             f"--grad_accum_steps {cfg.grad_accum_steps} equal micro-batches; choose a "
-                             f"number of micro-batches that divides it")
+        check_micro_batches(cfg, local_batch)  # accumulation's (and a pipeline's) micro-batches
 
     # ------------------------------------------------------------------ building ---
     def build_model(self) -> nn.Module:

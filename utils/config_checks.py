@@ -67,6 +67,7 @@ def _check_values(cfg: Config) -> None:
         raise ValueError("amp_mode fp16 does not work with tensor_parallel > 1 (the ranks' loss "
                          "scalers would skip different steps); use --amp_mode bf16")
     _check_data_parallel(cfg)
+    _check_used(cfg)
     _check_pipeline(cfg)
     _check_sequence_parallel(cfg)
     _check_experts(cfg)
@@ -168,6 +169,26 @@ def _check_data_parallel(cfg: Config) -> None:
     if cfg.context_parallel > 1:  # cp needs a gradient sum over cp, which FSDP's reduction lacks
         raise ValueError("data_parallel fsdp does not combine with context_parallel > 1 here; use "
                          "--data_parallel ddp or zero1 with context parallelism")
+
+
+def _check_used(cfg: Config) -> None:
+    """A key that only one layout reads, set for another, would be ignored: refused instead."""
+    sharded = cfg.engine == "native" and cfg.data_parallel in ("fsdp", "hsdp")
+    unused = [
+        (cfg.dp_shard > 0 and (cfg.data_parallel != "hsdp" or cfg.engine != "native"),
+         f"--dp_shard {cfg.dp_shard} sizes hsdp's sharding groups", "--data_parallel hsdp"),
+        (not cfg.reshard_after_forward and not sharded,
+         "--no-reshard_after_forward keeps FSDP's gathered weights", "--data_parallel fsdp or hsdp"),
+        (cfg.pipeline_schedule != "1f1b" and cfg.pipeline_parallel < 2,
+         f"--pipeline_schedule {cfg.pipeline_schedule} orders a pipeline's micro-batches",
+         "--pipeline_parallel 2 or more"),
+        (cfg.num_experts > 0 and cfg.moe_every > cfg.depth,
+         f"--num_experts {cfg.num_experts} goes into every moe_every-th block ({cfg.moe_every})",
+         f"--moe_every {cfg.depth} or less (the model has {cfg.depth} blocks)"),
+    ]
+    for bad, what, use in unused:
+        if bad:
+            raise ValueError(f"{what}; this run would ignore it: use it with {use}, or leave it out")
 
 
 def _check_schedule(cfg: Config) -> None:
