@@ -70,12 +70,12 @@ log = logging.getLogger("gpu_check")
 
 CHECKS = ("tests", "data", "train_vs_graph", "dali", "ladder")
 NEEDS_DATA = ("train_vs_graph", "dali", "ladder")
-# each check's share of the default budget, in seconds (estimates; see the module's docstring):
-# the tests, about 400 s of jobs on one H100 by tests/gpu_parts.py's estimates, on 2 workers;
-# generating 96 samples of 360 x 720 (80 s on 2 cores of a Xeon here, single-threaded numpy);
-# 2 x 24 steps of `short` with 12 validations each; 11 DALI batches; 7 rungs of about 12 s
-# (process, loader workers, 15 steps) and torch.compile's first compile of `short` (about a minute)
-SHARES_S = {"tests": 300, "data": 60, "train_vs_graph": 70, "dali": 30, "ladder": 140}
+# each check's share of the default budget, in seconds (estimates; docs/02-optimizations.md says
+# how they were made): the tests, about 400 s of jobs on one GPU by tests/gpu_parts.py's estimates,
+# on 2 pytest workers; generating 68 samples of 360 x 720 (51 s on the 2-core Xeon here); 2 x 24
+# steps of `short` with 12 validations each; 11 DALI batches; 7 rungs of about 12 s (process,
+# loader workers, 15 steps) and torch.compile's first compile of `short` (about a minute)
+SHARES_S = {"tests": 290, "data": 70, "train_vs_graph": 70, "dali": 30, "ladder": 140}
 BUDGET_S = sum(SHARES_S.values())
 CONFIG = "gpu_check"  # the config the runs use: `short` on the generated data
 IMG_SIZE = (360, 720)
@@ -711,8 +711,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="size of the square matmuls that measure each rung's peak FLOP/s (benchmark.py)")
     p.add_argument("--test_workers", type=int, default=2,
                    help="pytest-xdist workers of the tests, where pytest-xdist is installed (1: none)")
-    p.add_argument("--samples_per_year", type=int, default=48,
-                   help="synthetic samples per split (about 21 MB each at 360 x 720)")
+    p.add_argument("--samples_per_year", type=int, default=34,
+                   help="synthetic samples per split (about 21 MB each at 360 x 720; 34: two batches "
+                        "of 16 (t, t + 1) pairs)")
     p.add_argument("--budget_s", type=float, default=BUDGET_S,
                    help=f"seconds the whole check may take (default {BUDGET_S}), shared out as "
                         + ", ".join(f"{k} {v}" for k, v in SHARES_S.items()))

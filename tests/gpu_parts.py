@@ -45,13 +45,13 @@ LOCAL_RANK_GPU = ("DeepSpeed gives each rank the GPU of its local rank (cuda:LOC
 @dataclass(frozen=True)
 class GpuTest:
     """One `cuda` test: the ranks it starts at once, why those ranks cannot share GPUs over gloo
-    ("" when they can), its time estimate, and the defect of issue 43 whose fix it needs to pass
-    ("" when none)."""
+    ("" when they can), its time estimate, and the known defect it checks for, which the report
+    names when it fails ("" when none)."""
 
     ranks: int = 1
     no_gloo: str = ""
     budget_s: int = 10
-    needs_fix: str = ""
+    defect: str = ""
     # False: left out of make gpu-check, which runs the same check at full size (``why_left_out``)
     in_gpu_check: bool = True
 
@@ -66,21 +66,21 @@ TESTS: dict[str, GpuTest] = {
     f"{FILE}::test_expert_parallel_all_to_all": GpuTest(2, budget_s=15),
     f"{FILE}::test_compression_hooks": GpuTest(2, budget_s=25),  # three jobs at once
     f"{FILE}::test_hang_is_named_on_nccl": GpuTest(
-        2, NCCL_ONLY, budget_s=45, needs_fix="5 (the hang diagnosis never prints on NCCL)"),
+        2, NCCL_ONLY, budget_s=45, defect="the hang diagnosis cut short by NCCL's watchdog"),
     f"{FILE}::test_fsdp_offload_clipped_checkpointed": GpuTest(
         2, budget_s=20,
-        needs_fix="1 (offloaded shards at the checkpoint) and 2 (offloaded clipping on NCCL)"),
+        defect="a checkpoint or clipping of shards held in host memory"),
     f"{FILE}::test_hsdp_with_memory_snapshot": GpuTest(4, budget_s=25),
     f"{FILE}::test_zero1_stop_signal_and_resume": GpuTest(2, budget_s=30),
     f"{FILE}::test_cost_model_calibrates_and_checks": GpuTest(
         1, budget_s=30,
-        needs_fix="6 (fp32 calibrated without TF32) and 7 (calibration and check assume 4 GPUs)"),
+        defect="fp32 calibrated without TF32, or a calibration that assumes 4 GPUs"),
     f"{FILE}::test_context_and_sequence_parallel": GpuTest(4, budget_s=20),
     f"{FILE}::test_pipeline_schedule[interleaved_1f1b]": GpuTest(2, NO_SEND_RECV, budget_s=15),
     f"{FILE}::test_pipeline_schedule[zero_bubble]": GpuTest(2, NO_SEND_RECV, budget_s=15),
     f"{FILE}::test_fp16_scaler_with_ddp": GpuTest(2, budget_s=15),
     f"{FILE}::test_graph_checkpoint_resumed_by_train_py": GpuTest(
-        1, budget_s=25, needs_fix="3 (a train_graph.py checkpoint's tensor lr refused by train.py's Adam)"),
+        1, budget_s=25, defect="a train_graph.py checkpoint's tensor learning rate refused by Adam"),
     f"{FILE}::test_sharded_checkpoint_resumes": GpuTest(2, budget_s=30),
     f"{FILE}::test_compile_with_fsdp_and_tp": GpuTest(4, budget_s=75),
     # ---- single-device GPU paths tested elsewhere ----
@@ -103,7 +103,7 @@ REFERENCES_BUDGET_S = 15
 class Part:
     name: str
     title: str  # what it checks, for the report
-    features: tuple[str, ...]  # the entries of issue 43's list of GPU paths it covers
+    features: tuple[str, ...]  # the GPU paths it covers, as the review that listed them named them
     tests: tuple[str, ...]  # keys of TESTS; a test that combines features serves several parts
 
 
@@ -142,8 +142,8 @@ PARTS: tuple[Part, ...] = (
          _t("test_pipeline_schedule[interleaved_1f1b]", "test_pipeline_schedule[zero_bubble]")),
     Part("fp16", "fp16 with its GradScaler, DDP on 2 ranks, clipped, against fp16 in one process",
          ("fp16 with its scaler",), _t("test_fp16_scaler_with_ddp")),
-    Part("clipping", "gradient clipping without offload (ZeRO-1, tp x cp, fp16, experts) and with "
-         "(FSDP offload)", ("clipping",),
+    Part("clipping", "gradient clipping without offload (ZeRO-1, tp x cp) and with it (FSDP offload), "
+         "against one process", ("clipping",),
          _t("test_zero1_stop_signal_and_resume", "test_context_and_sequence_parallel",
             "test_fsdp_offload_clipped_checkpointed")),
     Part("resume", "resuming on a GPU: a train_graph.py checkpoint continued by train.py, a stopped "
@@ -315,8 +315,8 @@ def _combine(title: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     notes = [f"{short(r['test'])}: {r['reason']}" for r in rows
              if r["status"] == "fail" or (r["status"] == "skipped" and r["reason"])]
     if status == "fail":
-        notes += [f"needs issue 43's fix of defect {TESTS[r['test']].needs_fix}" for r in rows
-                  if r["status"] == "fail" and r["test"] in TESTS and TESTS[r["test"]].needs_fix]
+        notes += [f"a known defect it checks for: {TESTS[r['test']].defect}" for r in rows
+                  if r["status"] == "fail" and r["test"] in TESTS and TESTS[r["test"]].defect]
     return {"status": status, "title": title, "reason": "; ".join(notes),
             "seconds": round(sum(r["seconds"] for r in rows), 1), "tests": rows}
 
@@ -331,7 +331,7 @@ def numbers_text(numbers: dict[str, Any]) -> str:
     parts = []
     for key, value in numbers.items():
         if isinstance(value, float):
-            text = f"{value:.3%}" if key.endswith(("rel_diff", "ratio")) else f"{value:.6g}"
+            text = f"{value:.1e}" if key.endswith("rel_diff") else f"{value:.6g}"
         elif isinstance(value, (list, tuple)) and all(isinstance(v, float) for v in value):
             text = " vs ".join(f"{v:.6f}" for v in value)
         else:

@@ -294,7 +294,7 @@ def test_ladder_check_runs_the_benchmark_per_rung(cfg_factory, tmp_path):
 
 
 # ------------------------------------------------------------ the parts ---
-# issue 43's list of what no GPU had checked, word for word: each must be a part's feature
+# the GPU paths a review found that nothing checked, as it named them: each must be a part's feature
 ISSUE_FEATURES = (
     "DeepSpeed (any stage, offload)", "expert parallelism's all-to-all", "compression hooks",
     "the hang diagnosis on NCCL", "FSDP offload", "HSDP", "ZeRO-1", "memory snapshots",
@@ -305,7 +305,7 @@ ISSUE_FEATURES = (
 )
 
 
-def test_the_part_table_covers_every_feature_of_the_issue():
+def test_the_part_table_covers_every_unchecked_gpu_path():
     covered = {f for part in gpu_parts.PARTS for f in part.features}
     assert covered == set(ISSUE_FEATURES), (set(ISSUE_FEATURES) - covered, covered - set(ISSUE_FEATURES))
     named = [t for part in gpu_parts.PARTS for t in part.tests]
@@ -375,7 +375,8 @@ def test_parts_combine_their_tests_results():
     clipping = parts["clipping"]  # zero1 and tp x cp passed, FSDP offload failed
     assert clipping["status"] == "fail" and clipping["seconds"] == 31.0
     assert "test_fsdp_offload_clipped_checkpointed: AssertionError: boom" in clipping["reason"]
-    assert "needs issue 43's fix of defect 1 (offloaded shards at the checkpoint)" in clipping["reason"]
+    assert "a known defect it checks for: a checkpoint or clipping of shards held in host memory" in \
+        clipping["reason"]
     assert parts["deepspeed"]["status"] == "skipped"  # one skipped, the other cannot run on 1 GPU
     assert "DeepSpeed is not installed" in parts["deepspeed"]["reason"]
     assert "DeepSpeed gives each rank the GPU of its local rank" in parts["deepspeed"]["reason"]
@@ -385,7 +386,7 @@ def test_parts_combine_their_tests_results():
     assert parts["unlisted"]["status"] == "fail"
     assert "not in tests/gpu_parts.py's table" in parts["unlisted"]["reason"]
     assert gpu_parts.numbers_text({"max_rel_diff": 1.5e-5, "val_loss": [0.5, 0.25], "steps": 6}) == (
-        "max_rel_diff 0.002%; val_loss 0.500000 vs 0.250000; steps 6")
+        "max_rel_diff 1.5e-05; val_loss 0.500000 vs 0.250000; steps 6")
 
 
 def test_the_results_plugin_writes_each_test_as_it_ends(tmp_path):
