@@ -295,6 +295,14 @@ def part_results(results: dict[str, dict[str, Any]], gpus: int, not_run: str) ->
     return out
 
 
+def all_skipped(reason: str) -> dict[str, dict[str, Any]]:
+    """Every part skipped for one ``reason`` (the tests left out, or no pytest to run them)."""
+    rows = {name: {"test": name, "where": "", "budget_s": t.budget_s, "status": "skipped", "reason": reason,
+                   "seconds": 0.0, "numbers": {}} for name, t in TESTS.items()}
+    return {part.name: {"status": "skipped", "title": part.title, "reason": reason, "seconds": 0.0,
+                        "tests": [rows[name] for name in part.tests]} for part in PARTS}
+
+
 def _test_row(name: str, result: dict[str, Any] | None, gpus: int, not_run: str) -> dict[str, Any]:
     t = TESTS.get(name, GpuTest())
     backend, where = plan(name, gpus) if name in TESTS else (None, "")

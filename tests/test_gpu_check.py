@@ -438,9 +438,9 @@ def test_the_tests_check_on_cpu_names_every_part(tmp_path, monkeypatch):
 
 
 def test_each_check_ends_by_its_share_of_the_budget(tmp_path):
-    assert gc.deadlines(100.0, 600, ["tests", "data"]) == {"tests": 400.0, "data": 460.0}
-    assert gc.deadlines(0.0, 300, ["data", "ladder"]) == {"data": 30.0, "ladder": 100.0}
-    args = gc.parse_args(["--out", str(tmp_path / "out"), "--budget_s", "0.6"])  # tests' share: 0.3 s
+    assert gc.deadlines(100.0, 600, ["tests", "data"]) == {"tests": 390.0, "data": 460.0}
+    assert gc.deadlines(0.0, 300, ["data", "ladder"]) == {"data": 35.0, "ladder": 105.0}
+    args = gc.parse_args(["--out", str(tmp_path / "out"), "--budget_s", "0.6"])  # tests' share: 0.29 s
     ctx = gc.Context(args=args, out=tmp_path / "out", work=tmp_path)
     seen = {}
 
@@ -451,10 +451,21 @@ def test_each_check_ends_by_its_share_of_the_budget(tmp_path):
 
     report = {"checks": {}}
     gc.run_plan([("tests", slow), ("data", lambda c: gc.passed("never"))], ctx, report, skip=set())
+    assert "parts" not in report  # the slow stand-in for the tests gave none
     assert seen["tests"] == 1.0  # a subprocess gets a second at least
     assert report["checks"]["data"]["status"] == "fail"
     assert report["checks"]["data"]["reason"] == ("not run: the checks before it used its share of the 1 s "
                                                   "budget")
+
+
+def test_parts_left_out_are_named_skipped(tmp_path):
+    args = gc.parse_args(["--out", str(tmp_path / "out"), "--skip", "tests"])
+    ctx = gc.Context(args=args, out=tmp_path / "out", work=tmp_path)
+    report = {"checks": {}}
+    gc.run_plan([("tests", gc.check_tests)], ctx, report, skip=args.skip)
+    assert list(report["parts"]) == [part.name for part in gpu_parts.PARTS]
+    assert all(p["status"] == "skipped" and p["reason"] == "--skip tests" for p in report["parts"].values())
+    assert gc.overall(report) == {"pass": 0, "fail": 0, "skipped": len(gpu_parts.PARTS)}
 
 
 def test_make_gpu_check_uses_the_python_that_runs_it_and_installs_nothing():
