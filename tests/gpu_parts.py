@@ -103,7 +103,7 @@ REFERENCES_BUDGET_S = 15
 class Part:
     name: str
     title: str  # what it checks, for the report
-    features: tuple[str, ...]  # the GPU paths it covers, as the review that listed them named them
+    features: tuple[str, ...]  # the GPU paths it covers (tests/test_gpu_check.py lists them all)
     tests: tuple[str, ...]  # keys of TESTS; a test that combines features serves several parts
 
 

@@ -294,7 +294,7 @@ def test_ladder_check_runs_the_benchmark_per_rung(cfg_factory, tmp_path):
 
 
 # ------------------------------------------------------------ the parts ---
-# the GPU paths a review found that nothing checked, as it named them: each must be a part's feature
+# the GPU paths that had no GPU test: each must be a part's feature
 ISSUE_FEATURES = (
     "DeepSpeed (any stage, offload)", "expert parallelism's all-to-all", "compression hooks",
     "the hang diagnosis on NCCL", "FSDP offload", "HSDP", "ZeRO-1", "memory snapshots",
