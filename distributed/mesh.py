@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from utils.config import Config
+from utils.config_groups import MemoryConfig, ModelConfig, ParallelConfig
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +53,14 @@ def parse_order(order: str) -> tuple[str, ...]:
     return names + tuple(n for n in DIMENSIONS if n not in names)
 
 
-def requested_sizes(cfg: Config) -> dict[str, int]:
+def requested_sizes(layout: ParallelConfig) -> dict[str, int]:
     """The configured size of every dimension but dp."""
-    return {name: getattr(cfg, k) for name, k in DIMENSIONS.items() if k is not None}
+    return {name: getattr(layout, k) for name, k in DIMENSIONS.items() if k is not None}
 
 
-def model_parallel_sizes(cfg: Config) -> dict[str, int]:
+def model_parallel_sizes(layout: ParallelConfig) -> dict[str, int]:
     """The dimensions other than dp that are larger than 1 (empty: a data-parallel-only run)."""
-    return {n: s for n, s in requested_sizes(cfg).items() if s > 1}
+    return {n: s for n, s in requested_sizes(layout).items() if s > 1}
 
 
 def check_sizes(world_size: int, sizes: dict[str, int], order: str = "tp-cp-dp") -> dict[str, int]:
@@ -79,22 +79,22 @@ def check_sizes(world_size: int, sizes: dict[str, int], order: str = "tp-cp-dp")
     return {n: full.get(n, 1) for n in names}
 
 
-def check_model(cfg: Config) -> None:
+def check_model(model: ModelConfig, layout: ParallelConfig) -> None:
     """The model must split: whole heads and equal MLP slices per tp rank, a token per cp rank."""
-    tp, cp = cfg.tensor_parallel, cfg.context_parallel
-    hidden = int(cfg.embed_dim * cfg.mlp_ratio)
-    tokens = (cfg.img_size[0] // cfg.patch_size) * (cfg.img_size[1] // cfg.patch_size)
-    sizes = f"(tensor_parallel={tp}, context_parallel={cp}, embed_dim={cfg.embed_dim}, " \
-            f"num_heads={cfg.num_heads}, mlp hidden={hidden}, tokens={tokens})"
-    if cfg.num_heads % tp:
+    tp, cp = layout.tensor_parallel, layout.context_parallel
+    hidden = int(model.embed_dim * model.mlp_ratio)
+    tokens = model.tokens
+    sizes = f"(tensor_parallel={tp}, context_parallel={cp}, embed_dim={model.embed_dim}, " \
+            f"num_heads={model.num_heads}, mlp hidden={hidden}, tokens={tokens})"
+    if model.num_heads % tp:
         raise ValueError(f"num_heads must be divisible by tensor_parallel {sizes}; "
                          f"choose tensor_parallel among the divisors of num_heads")
-    if cfg.embed_dim % tp or hidden % tp:
+    if model.embed_dim % tp or hidden % tp:
         raise ValueError(f"embed_dim and the MLP hidden size must be divisible by tensor_parallel {sizes}")
     if cp > tokens:
         raise ValueError(f"context_parallel exceeds the number of tokens {sizes}; "
                          f"use fewer context-parallel ranks or smaller patches")
-    if cfg.sequence_parallel and tp * cp > tokens:  # each tp rank of a cp slice needs a token
+    if layout.sequence_parallel and tp * cp > tokens:  # each tp rank of a cp slice needs a token
         raise ValueError(f"sequence_parallel needs a token for every tp rank of every cp slice {sizes}; "
                          f"use fewer ranks or smaller patches")
 
@@ -106,28 +106,29 @@ def check_expert_parallel(dp_size: int, ep: int) -> None:
                          f"choose a divisor (the expert-parallel ranks are data-parallel ranks)")
 
 
-def hsdp_shard(cfg: Config, dp_size: int, ranks_per_node: int) -> int:
+def hsdp_shard(layout: ParallelConfig, dp_size: int, ranks_per_node: int) -> int:
     """HSDP's sharding group: ``dp_shard`` ranks, by default the ranks of one node."""
-    shard = cfg.dp_shard or ranks_per_node
+    shard = layout.dp_shard or ranks_per_node
     if dp_size % shard:
         raise ValueError(f"--dp_shard {shard} does not divide the {dp_size} data-parallel ranks; "
                          f"choose a divisor (hsdp makes dp / dp_shard groups of dp_shard ranks)")
     return shard
 
 
-def check_takes_effect(cfg: Config, sizes: dict[str, int], ranks_per_node: int) -> None:
+def check_takes_effect(layout: ParallelConfig, memory: MemoryConfig, sizes: dict[str, int],
+                       ranks_per_node: int) -> None:
     """A layout flag that these sizes would switch off is refused, not ignored: the run would
     otherwise train something other than what was asked for. ``sizes``: every dimension, dp
     included (check_sizes' result). DeepSpeed's stages are its own (ZeRO-Offload on one rank
     is a use of it)."""
-    if cfg.engine != "native":
+    if layout.engine != "native":
         return
     dp, what = sizes[DATA], None
-    if dp == 1 and cfg.data_parallel != "ddp":  # distributed/sharding.py: fsdp_active, zero1_active
-        offload = " with --cpu_offload" if cfg.cpu_offload else ""
-        what = f"--data_parallel {cfg.data_parallel}{offload} shards over the data-parallel ranks"
-    elif dp == 1 and cfg.grad_compression != "none":  # DDP's hook: no DDP with one replica
-        what = f"--grad_compression {cfg.grad_compression} compresses the data-parallel all-reduce"
+    if dp == 1 and layout.data_parallel != "ddp":  # distributed/sharding.py: fsdp_active, zero1_active
+        offload = " with --cpu_offload" if memory.cpu_offload else ""
+        what = f"--data_parallel {layout.data_parallel}{offload} shards over the data-parallel ranks"
+    elif dp == 1 and layout.grad_compression != "none":  # DDP's hook: no DDP with one replica
+        what = f"--grad_compression {layout.grad_compression} compresses the data-parallel all-reduce"
     if what:
         model = math.prod(sizes.values()) // dp
         split = [f"{DIMENSIONS[n]} {s}" for n, s in sizes.items() if s > 1]
@@ -135,8 +136,8 @@ def check_takes_effect(cfg: Config, sizes: dict[str, int], ranks_per_node: int) 
         ranks = f"{model} ranks{at} leave" if model > 1 else "1 rank leaves"
         raise ValueError(f"{what}, but {ranks} 1 data-parallel rank: start {2 * model} ranks or more (on "
                          f"Perlmutter nodes x 4 GPUs), or leave the flag out")
-    if cfg.data_parallel == "hsdp":
-        shard = hsdp_shard(cfg, dp, ranks_per_node)
+    if layout.data_parallel == "hsdp":
+        shard = hsdp_shard(layout, dp, ranks_per_node)
         if shard == dp:
             raise ValueError(f"--data_parallel hsdp with one sharding group of all {dp} data-parallel ranks "
                              f"is fsdp (nothing is replicated); use --data_parallel fsdp, or more ranks "

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils.config import Config
+from utils.config_groups import ModelConfig
 
 
 class PatchEmbed(nn.Module):
@@ -216,8 +216,9 @@ class ViT(nn.Module):
         return self.unpatchify(x)
 
 
-def build_vit(cfg: Config) -> ViT:
-    """The configured serial ViT (distributed/parallelize.py makes this rank's part of it)."""
+def build_vit(cfg: ModelConfig) -> ViT:
+    """The configured serial ViT (distributed/parallelize.py makes this rank's part of it); ``cfg``
+    is the configuration's model group (``Config.model``)."""
     return ViT(
         img_size=cfg.img_size,
         patch_size=cfg.patch_size,

@@ -224,7 +224,7 @@ CPU_ATTENTION_FLOPS = {
 def flops_per_sample(cfg: Config, batch: int, device: torch.device) -> float:
     """Forward + backward FLOPs of the model per sample (eager, fp32: FLOPs do not depend on dtype)."""
     torch.manual_seed(0)
-    model = build_vit(cfg).to(device)
+    model = build_vit(cfg.model).to(device)
     h, w = cfg.img_size
     inp = torch.randn(batch, cfg.n_in_channels, h, w, device=device)
     tar = torch.randn(batch, cfg.n_out_channels, h, w, device=device)
@@ -495,7 +495,7 @@ def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[
     runs the attention kernel the trainer chooses for these settings (utils/attention.py)."""
     device = opts.device
     torch.manual_seed(cfg.seed)
-    model = build_vit(cfg).to(device)
+    model = build_vit(cfg.model).to(device)
     # the Trainer's Adam kernel (fused, else foreach), so the reference differs from it only in
     # what surrounds the step
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, **dev.adam_kernel(fused))

@@ -134,7 +134,7 @@ def build(cfg, setting: dict[str, Any], timeline: Timeline, group, device):
     from networks.vit import build_vit
 
     torch.manual_seed(cfg.seed)
-    model = build_vit(cfg).to(device)
+    model = build_vit(cfg.model).to(device)
     if setting["kind"] == "after":  # the data-parallel exercise's solution
         return model, lambda: average_gradients(model, group)
     if setting["kind"] == "after_flat":
@@ -204,7 +204,7 @@ def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, cfg, worl
     from networks.vit import build_vit, count_parameters
 
     args.out.mkdir(parents=True, exist_ok=True)
-    params = count_parameters(build_vit(cfg))
+    params = count_parameters(build_vit(cfg.model))
     base = rows[0]["step_ms"]
     lines = [f"Config `{args.config}` ({params / 1e6:.2f}M parameters, {4 * params / 1e6:.1f} MB of fp32 "
              f"gradients), {world} ranks, local batch {max(1, cfg.global_batch_size // world)}; median of "

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from scripts.workers import run_worker, worker_env  # noqa: E402
-from utils.config_checks import INTERLEAVED  # noqa: E402
+from utils.config_groups import INTERLEAVED  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 RECORD_FILE = "pipeline_rank{rank}.json"

@@ -41,7 +41,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     known = Config.__annotations__
     cfg = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in known})
     last = json.loads(metrics.read_text().splitlines()[-1])
-    return {"name": name, "run_dir": str(run_dir), "parameters": count_parameters(build_vit(cfg)),
+    return {"name": name, "run_dir": str(run_dir), "parameters": count_parameters(build_vit(cfg.model)),
             "embed_dim": cfg.embed_dim, "depth": cfg.depth, "step": last["step"],
             "val_loss": last["val_loss"],
             "rmse": sum(last["rmse"].values()) / len(last["rmse"]),

@@ -120,7 +120,7 @@ def fits_table(configs: list[str], yaml: str) -> list[str]:
         import torch
 
         with torch.device("meta"):
-            params = count_parameters(build_vit(cfg))
+            params = count_parameters(build_vit(cfg.model))
         for ranks in (4, 64):
             local = max(1, cfg.global_batch_size // ranks)
             for ac in ("none", "full"):
@@ -224,7 +224,7 @@ def driver(argv: list[str] | None = None) -> int:
     p.add_argument("flags", nargs="*", help="more train.py flags after --, e.g. -- --data_dir DIR")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
-    params = count_parameters(build_vit(load_config(args.yaml_config, args.config)))
+    params = count_parameters(build_vit(load_config(args.yaml_config, args.config).model))
     rows = [measure(args, mode, n) for mode in args.modes for n in args.ranks
             if not (n == 1 and mode != "ddp")]
     acts = [measure(args, "ddp", 1, ac) for ac in args.checkpointing]

@@ -69,7 +69,7 @@ def _count_bytes(compression: str) -> None:
         model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 8))
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets
         cfg = make_cfg(".", ".", grad_compression=compression, powersgd_rank=2)
-        state = compress_gradients(ddp, cfg, None)
+        state = compress_gradients(ddp, cfg.layout, cfg.seed, None)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         counted, full = [], sum(p.numel() * 4 for p in model.parameters())
         for step in range(4):

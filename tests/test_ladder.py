@@ -283,7 +283,7 @@ def test_benchmark_counts_cpu_attention_flops(cfg_factory):
                                                            for op in CPU_ATTENTION_FLOPS})
     with plain:
         inp, tar = fixed_batches(1, cfg)[0]
-        relative_l2_loss(build_vit(cfg)(inp), tar).backward()
+        relative_l2_loss(build_vit(cfg.model)(inp), tar).backward()
     # per layer and sample: QK^T and AV forward (2 x 2 x heads x N^2 x head_dim), backward
     # 2.5 x that (torch's formula recomputes the scores)
     attention = 3.5 * 2 * 2 * 4 * 32**2 * 8 * cfg.depth

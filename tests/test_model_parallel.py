@@ -113,10 +113,11 @@ def test_a_layout_flag_the_ranks_would_switch_off_is_refused(cfg_factory, world,
     """fsdp_active and zero1_active are False with one data-parallel rank, DDP (and its
     compression hook) is not built: the flag would be ignored. HSDP with one group is FSDP."""
     cfg = cfg_factory(**flags)
-    sizes = check_sizes(world, requested_sizes(cfg), cfg.parallel_order)
+    sizes = check_sizes(world, requested_sizes(cfg.layout), cfg.parallel_order)
     with pytest.raises(ValueError, match=re.escape(message)):
-        check_takes_effect(cfg, sizes, ranks_per_node=4)
-    check_takes_effect(cfg, check_sizes(world * 6, requested_sizes(cfg), cfg.parallel_order), 4)  # more ranks
+        check_takes_effect(cfg.layout, cfg.memory, sizes, ranks_per_node=4)
+    more = check_sizes(world * 6, requested_sizes(cfg.layout), cfg.parallel_order)  # more ranks
+    check_takes_effect(cfg.layout, cfg.memory, more, 4)
 
 
 def test_expert_and_hsdp_groups_are_the_codes(cfg_factory):
@@ -133,9 +134,11 @@ def test_expert_and_hsdp_groups_are_the_codes(cfg_factory):
 
 def test_model_must_split(cfg_factory):
     with pytest.raises(ValueError, match="num_heads must be divisible by tensor_parallel.*num_heads=4"):
-        check_model(cfg_factory(embed_dim=96, num_heads=4, tensor_parallel=3))
+        bad = cfg_factory(embed_dim=96, num_heads=4, tensor_parallel=3)
+        check_model(bad.model, bad.layout)
     with pytest.raises(ValueError, match="context_parallel exceeds the number of tokens"):
-        check_model(cfg_factory(context_parallel=64))  # 16 x 32 grid, 4 x 4 patches: 32 tokens
+        bad = cfg_factory(context_parallel=64)  # 16 x 32 grid, 4 x 4 patches: 32 tokens
+        check_model(bad.model, bad.layout)
 
 
 # ----------------------------------------------------------------------- mappings ---
@@ -454,7 +457,8 @@ def test_sequence_parallel_refusals_are_one_line(cfg_factory, flags, message):
 
 def test_sequence_parallel_needs_a_token_per_rank(cfg_factory):
     with pytest.raises(ValueError, match="sequence_parallel needs a token for every tp rank"):
-        check_model(cfg_factory(sequence_parallel=True, tensor_parallel=4, context_parallel=16))
+        bad = cfg_factory(sequence_parallel=True, tensor_parallel=4, context_parallel=16)
+        check_model(bad.model, bad.layout)
 
 
 def test_config_rejects_a_bad_parallel_order(cfg_factory):

@@ -201,7 +201,7 @@ def cost_layout(cfg: Config, sizes: dict[str, int], local_batch: int, per_node: 
     if cfg.engine == "deepspeed":
         mode = {0: "ddp", 1: "zero1", 2: "zero1", 3: "fsdp"}[cfg.zero_stage]
     dp = sizes[meshes.DATA]
-    shard = meshes.hsdp_shard(cfg, dp, per_node) if mode == "hsdp" else 0
+    shard = meshes.hsdp_shard(cfg.layout, dp, per_node) if mode == "hsdp" else 0
     return cm.Layout(math.prod(sizes.values()), mode, sizes["tp"], sizes["cp"],
                      sizes["pp"], cfg.expert_parallel, cfg.pipeline_schedule, cfg.num_microbatches,
                      cfg.stages_per_rank, cfg.activation_checkpointing, local_batch * dp, shard)
@@ -379,12 +379,13 @@ def groups_of(job: Job) -> dict[str, list[list[int]]]:
     """Every group of the run's mesh as rank lists: tp, cp, dp, pp, the expert groups (ep,
     ep_replicas) and HSDP's (dp_shard, dp_replicate)."""
     cfg, sizes, _ = layout_of(job)
-    requested = meshes.requested_sizes(cfg)
+    requested = meshes.requested_sizes(cfg.layout)
     groups = meshes.group_layouts(job.ranks, requested, cfg.parallel_order)
     if cfg.expert_parallel > 1:
         groups.update(meshes.expert_layouts(job.ranks, sizes, "-".join(sizes), cfg.expert_parallel))
     if cfg.data_parallel == "hsdp":
-        groups.update(meshes.hsdp_layouts(job.ranks, meshes.hsdp_shard(cfg, sizes["dp"], job.per_node)))
+        shard = meshes.hsdp_shard(cfg.layout, sizes["dp"], job.per_node)
+        groups.update(meshes.hsdp_layouts(job.ranks, shard))
     return groups
 
 

@@ -231,7 +231,8 @@ def planned_run_dir(words: list[str]) -> str | None:
     index = next(i for i, w in enumerate(words) if w.endswith(".py"))
     args = train_parser(script).parse_args(words[index + 1:])
     cfg = resolve_config(args)
-    mesh = ParallelMesh(sizes=check_sizes(launched_ranks(words), requested_sizes(cfg), cfg.parallel_order))
+    sizes = check_sizes(launched_ranks(words), requested_sizes(cfg.layout), cfg.parallel_order)
+    mesh = ParallelMesh(sizes=sizes)
     folder = run_dir_for(cfg, args.config, args.run_num or DEFAULT_RUN_NUM, mesh, script == "train_mp.py")
     return folder.relative_to(cfg.exp_path.parent).as_posix() if not Path(cfg.expdir).is_absolute() \
         else folder.as_posix()

@@ -203,7 +203,7 @@ def test_unreadable_checkpoint_says_what_to_do(tmp_path):
 
 
 def test_lr_schedule_warmup_then_cosine(cfg_factory):
-    f = make_lr_lambda(cfg_factory(num_iters=110, warmup=10))
+    f = make_lr_lambda(cfg_factory(num_iters=110, warmup=10).optim)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
     assert f(60) == pytest.approx(0.5) and f(110) == pytest.approx(0.0)
 

@@ -31,7 +31,7 @@ from training.context import Callback, RunContext, local_batch_size
 from training.trainer import EagerStep, Trainer, TrainingError
 from utils import device as dev
 from utils import signals
-from utils.config import DEFAULT_YAML, REPO_ROOT, Config, load_config, with_overrides
+from utils.config import DEFAULT_YAML, FIELDS, GROUPS, REPO_ROOT, Config, load_config, with_overrides
 
 log = logging.getLogger(__name__)
 
@@ -100,19 +100,18 @@ def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config key, in argument groups named as in Config."""
-    groups: dict[str, Any] = {}  # argument groups by name
-    hints = typing.get_type_hints(Config)
-    for f in dataclasses.fields(Config):
-        name = f.metadata.get("group", "other")
-        group = groups.setdefault(name, parser.add_argument_group(name))
-        ftype, extra = _flag_type(hints[f.name])
-        if ftype is not None:
-            extra["type"] = ftype
-        if "choices" in f.metadata:
-            extra["choices"] = f.metadata["choices"]
-        group.add_argument(f"--{f.name}", *f.metadata.get("aliases", ()), dest=f.name, default=None,
-                           help=f.metadata.get("help"), **extra)
+    """One flag per config key, in argument groups named after the configuration's groups."""
+    for group in GROUPS.values():
+        section = parser.add_argument_group(group.title, (group.__doc__ or "").split("\n\n")[0])
+        hints = typing.get_type_hints(group)
+        for f in dataclasses.fields(group):
+            ftype, extra = _flag_type(hints[f.name])
+            if ftype is not None:
+                extra["type"] = ftype
+            if "choices" in f.metadata:
+                extra["choices"] = f.metadata["choices"]
+            section.add_argument(f"--{f.name}", *f.metadata.get("aliases", ()), dest=f.name, default=None,
+                                 help=f.metadata.get("help"), **extra)
 
 
 def arg_parser(description: str = "") -> argparse.ArgumentParser:
@@ -131,7 +130,7 @@ def arg_parser(description: str = "") -> argparse.ArgumentParser:
 
 def resolve_config(args: argparse.Namespace) -> Config:
     cfg = load_config(args.yaml_config, args.config)
-    return with_overrides(cfg, **{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+    return with_overrides(cfg, **{name: getattr(args, name) for name in FIELDS})
 
 
 def run_dir_for(cfg: Config, config_name: str, run_num: str, mesh: meshes.ParallelMesh,
@@ -155,7 +154,7 @@ def write_resolved_config(cfg: Config, run_dir: Path, name: str) -> None:
 
 
 def _check_lesson(cfg: Config, config_name: str, model_parallel: bool) -> None:
-    split = meshes.model_parallel_sizes(cfg)
+    split = meshes.model_parallel_sizes(cfg.layout)
     if split and not model_parallel:
         sizes = ", ".join(f"{meshes.DIMENSIONS[n]}={s}" for n, s in split.items())
         raise ValueError(f"config {config_name!r} sets {sizes}: model parallel runs use train_mp.py")
@@ -197,10 +196,10 @@ def check_layout(cfg: Config, config_name: str, model_parallel: bool, world_size
     the step variant's own refusals included (``step``: the script's). Returns every dimension's
     size (dp included) and the local batch; ValueError otherwise."""
     _check_lesson(cfg, config_name, model_parallel)
-    full = meshes.check_sizes(world_size, meshes.requested_sizes(cfg), cfg.parallel_order)
+    full = meshes.check_sizes(world_size, meshes.requested_sizes(cfg.layout), cfg.parallel_order)
     meshes.check_expert_parallel(full[meshes.DATA], cfg.expert_parallel)
-    meshes.check_model(cfg)
-    meshes.check_takes_effect(cfg, full, ranks_per_node)
+    meshes.check_model(cfg.model, cfg.layout)
+    meshes.check_takes_effect(cfg.layout, cfg.memory, full, ranks_per_node)
     local_batch = local_batch_size(cfg.global_batch_size, full[meshes.DATA], cfg.local_batch_size)
     step_for(cfg, step).check(cfg, None, local_batch)
     return full, local_batch
@@ -211,7 +210,7 @@ def set_up(args: argparse.Namespace, model_parallel: bool,
     """Config, process group, mesh and run directory; raises ValueError for user mistakes."""
     env = parse_env()
     cfg = resolve_config(args)
-    sizes = meshes.requested_sizes(cfg)
+    sizes = meshes.requested_sizes(cfg.layout)
     _, local_batch = check_layout(cfg, args.config, model_parallel, env.world_size, env.local_world_size,
                                   step)
     dev.set_cpu_threads(env.local_world_size)

@@ -82,13 +82,16 @@ class PipelineStep(EagerStep):
     def build_model(self) -> pipeline.Pipeline:
         t = self.trainer
         with torch.device("meta"):  # as EagerStep.build_parallel_model: each stage allocates only itself
-            serial = build_vit(t.cfg)
+            serial = build_vit(t.cfg.model)
         t.n_params = count_parameters(serial)
         self.serial_names = [name for name, _ in serial.named_parameters()]
         values = serial_values(serial, t.cfg.seed)
-        model = pipeline.build(serial, t.ctx.mesh, t.cfg, t.device,
-                               lambda stage: parallelize(stage, t.ctx.mesh, t.cfg, t.device, values),
-                               self.micro_batch_loss)
+        cfg, mesh = t.cfg, t.ctx.mesh
+
+        def parallel_stage(stage: torch.nn.Module) -> torch.nn.Module:
+            return parallelize(stage, mesh, t.device, cfg.layout, cfg.memory, cfg.optim, cfg.seed, values)
+
+        model = pipeline.build(serial, mesh, cfg.layout, t.device, parallel_stage, self.micro_batch_loss)
         log.info("%s; this rank holds stages %s: %d of the model's %d parameters",
                  t.ctx.mesh.describe(), model.stage_ids, sum(p.numel() for p in model.parameters()),
                  t.n_params)

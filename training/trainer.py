@@ -104,7 +104,7 @@ class EagerStep:
         if needs_parallelize(t.cfg, t.ctx):
             return self.build_parallel_model()
         with torch.device("meta"):  # shapes only: no memory, no random numbers drawn
-            model = build_vit(t.cfg)
+            model = build_vit(t.cfg.model)
         t.n_params = count_parameters(model)
         model = model.to_empty(device=t.device)  # memory on the device, not yet initialised
         model.reset_parameters(torch.Generator().manual_seed(t.cfg.seed))
@@ -117,9 +117,10 @@ class EagerStep:
 
         t = self.trainer
         with torch.device("meta"):
-            serial = build_vit(t.cfg)
+            serial = build_vit(t.cfg.model)
         t.n_params = count_parameters(serial)
-        model = parallelize(serial, t.ctx.mesh, t.cfg, t.device, serial_values(serial, t.cfg.seed))
+        model = parallelize(serial, t.ctx.mesh, t.device, t.cfg.layout, t.cfg.memory, t.cfg.optim, t.cfg.seed,
+                            serial_values(serial, t.cfg.seed))
         if t.ctx.mesh.model_parallel:
             log.info("%s; this rank holds %d of the model's %d parameters", t.ctx.mesh.describe(),
                      count_parameters(unwrap(model)), t.n_params)
@@ -132,7 +133,7 @@ class EagerStep:
             return optimizer_class(t.model.parameters(), **options)
         from distributed import sharding  # ZeRO-1's sharded state, LAMB's norms over the ranks' parts
 
-        return sharding.build_optimizer(t.model, optimizer_class, options, t.cfg, t.ctx.mesh)
+        return sharding.build_optimizer(t.model, optimizer_class, options, t.cfg.layout, t.ctx.mesh)
 
     # --------------------------------------------------------------------- steps ---
     def compute(self, cache_enabled: bool = True) -> contextlib.ExitStack:
@@ -159,7 +160,7 @@ class EagerStep:
         each loss is divided by N (the mean over the whole batch, as one big batch would give)
         and only the last micro-batch's backward reduces gradients over the ranks."""
         t = self.trainer
-        n = t.cfg.grad_accum_steps
+        n = t.cfg.memory.grad_accum_steps
         total = torch.zeros((), device=t.device)
         for i, (x, y) in enumerate(zip(inp.chunk(n), tar.chunk(n))):
             with self.gradient_sync(enabled=i == n - 1):
@@ -187,7 +188,7 @@ class EagerStep:
         t = self.trainer
         t.mark("optimizer step")
         with dev.nvtx_range("optimizer"):
-            if t.cfg.grad_clip_norm:
+            if t.cfg.optim.grad_clip_norm:
                 t.clip_gradients()
             if t.scaler:
                 t.scaler.step(t.optimizer)
@@ -271,7 +272,7 @@ class Trainer:
         self.moe_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.optimizer = self.variant.build_optimizer()
         self.weights = self.variant.state_class(self)  # the model and optimizer in a checkpoint
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg.optim))
         self.scaler = dev.make_grad_scaler(self.device, cfg.amp_mode)
         self.lat_weights = latitude_weights(cfg.img_size[0], self.device)
         self.watches = self.build_watches()  # profilers and memory record, where the run asks
@@ -348,7 +349,7 @@ class Trainer:
         """The mixture of experts' load-balancing loss of the last forward, weighted (0 without experts)."""
         if not self.moe_layers:
             return 0.0
-        return self.cfg.moe_aux_weight * sum(m.aux_loss for m in self.moe_layers)
+        return self.cfg.model.moe_aux_weight * sum(m.aux_loss for m in self.moe_layers)
 
     def record_experts(self) -> None:
         """What each expert got in the step's (last) micro-batch, for the logs: shares (host) and
@@ -365,8 +366,8 @@ class Trainer:
 
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # scaler.step then knows not to unscale again
-        self.grad_norms.append(clipping.clip_grad_norm(list(self.model.parameters()), self.cfg.grad_clip_norm,
-                                                       self.ctx.mesh))
+        limit = self.cfg.optim.grad_clip_norm
+        self.grad_norms.append(clipping.clip_grad_norm(list(self.model.parameters()), limit, self.ctx.mesh))
 
     def to_device(self, inp: torch.Tensor, tar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.variant.to_device(inp, tar)
