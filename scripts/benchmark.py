@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import platform
 import shutil
@@ -56,7 +55,8 @@ from torch.utils import flop_counter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from networks.vit import build_vit  # noqa: E402
-from training.context import RunContext
+from scripts.instruments import write_report  # noqa: E402
+from training.context import RunContext  # noqa: E402
 from training.trainer import Callback, EagerStep, Trainer  # noqa: E402
 from utils import attention  # noqa: E402
 from utils import device as dev  # noqa: E402
@@ -702,8 +702,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "mfu": best["mfu"], "dtype": "fp32" if s["amp_mode"] == "none" else s["amp_mode"],
             "loader_ratio_to_raw": best["loader"]["ratio_to_raw"],
         }
-    (args.out_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
-    (args.out_dir / "benchmark.md").write_text(markdown(report))
+    write_report(args.out_dir, "benchmark", markdown(report), report)
     print(markdown(report))
     return report
 

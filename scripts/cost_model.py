@@ -864,10 +864,18 @@ def plot_check(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 # ------------------------------------------------------------------ command line ---
-def layout_from(args: argparse.Namespace) -> Layout:
-    return Layout(args.ranks, args.data_parallel, args.tensor_parallel, args.context_parallel,
-                  args.pipeline_parallel, args.expert_parallel, args.pipeline_schedule, args.num_microbatches,
-                  args.stages_per_rank, args.activation_checkpointing, args.global_batch_size, args.dp_shard)
+# train.py's flags that say what the cost model describes: the same declarations (utils/config_groups.py)
+LAYOUT_FLAGS = ("data_parallel", "dp_shard", "tensor_parallel", "context_parallel", "pipeline_parallel",
+                "expert_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",
+                "activation_checkpointing", "global_batch_size")
+
+
+def layout_from(cfg: Any, ranks: int) -> Layout:
+    """The layout a run of ``cfg`` on ``ranks`` ranks trains with (its flags resolved as train.py
+    resolves them)."""
+    return Layout(ranks, cfg.data_parallel, cfg.tensor_parallel, cfg.context_parallel, cfg.pipeline_parallel,
+                  cfg.expert_parallel, cfg.pipeline_schedule, cfg.num_microbatches, cfg.stages_per_rank,
+                  cfg.activation_checkpointing, cfg.global_batch_size, cfg.dp_shard)
 
 
 def show(m: Model, lay: Layout, machine: dict[str, Any] | None, dtype: str) -> str:
@@ -890,25 +898,15 @@ def show(m: Model, lay: Layout, machine: dict[str, Any] | None, dtype: str) -> s
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from utils.config import DEFAULT_YAML, load_config
+def arg_parser() -> argparse.ArgumentParser:
+    from training.launcher import add_config_flags
+    from utils.config import DEFAULT_YAML
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
     p.add_argument("--config", default="tiny")
     p.add_argument("--ranks", type=int, default=1)
-    p.add_argument("--data_parallel", default="ddp", choices=("ddp", "zero1", "fsdp", "hsdp"))
-    p.add_argument("--dp_shard", type=int, default=0)
-    p.add_argument("--tensor_parallel", type=int, default=1)
-    p.add_argument("--context_parallel", type=int, default=1)
-    p.add_argument("--pipeline_parallel", type=int, default=1)
-    p.add_argument("--expert_parallel", type=int, default=1)
-    p.add_argument("--pipeline_schedule", default="1f1b",
-                   choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
-    p.add_argument("--num_microbatches", type=int, default=4)
-    p.add_argument("--stages_per_rank", type=int, default=2)
-    p.add_argument("--activation_checkpointing", default="none", choices=("none", "full", "selective"))
-    p.add_argument("--global_batch_size", type=int, default=None)
+    add_config_flags(p, LAYOUT_FLAGS)  # as train.py declares them; left out: the config's value
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the matmuls' precision (autocast): the time, and the activations' bytes (weights, "
                    "gradients and Adam's state are fp32)")
@@ -936,79 +934,105 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--roofline", action="store_true", help="plot one block's layers against the "
                    "machine's roofline (OUT/roofline.png)")
     p.add_argument("--out", type=Path, default=REPO / "logs" / "cost_model")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from training.launcher import resolve_config
+
+    args = arg_parser().parse_args(argv)
     try:
-        cfg = load_config(args.yaml_config, args.config)
+        cfg = resolve_config(args)
     except (KeyError, ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
     m = Model.from_config(cfg)
-    if args.global_batch_size is None:
-        args.global_batch_size = cfg.global_batch_size
+    args.global_batch_size = cfg.global_batch_size
     if args.calibrate:
-        from scripts.cost_measure import calibrate
-
-        machine = calibrate(tuple(int(r) for r in args.calibrate_ranks.split(",")), args.calibrate_calls,
-                            args.calibrate_seconds)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / CONSTANTS_FILE).write_text(json.dumps(machine, indent=1))
-        for r, c in machine["by_ranks"].items():
-            print(f"{r} rank(s) at once: fp32 matmul {c['matmul_flops']['float32']['large'] / 1e9:.0f} "
-                  f"GFLOP/s, bf16 {c['matmul_flops']['bfloat16']['large'] / 1e9:.0f}, memory "
-                  f"{c['memory_bandwidth'] / 1e9:.1f} GB/s per rank" + "".join(
-                      f"; {k} {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s"
-                      for k, (lat, bw) in c.get("collectives", {}).items()))
-        print(f"written to {args.out / CONSTANTS_FILE}")
-        return 0
+        return calibrate_command(args)
     if args.check:
-        rows = run_check(args, m)
-        table = check_table(rows)
-        (args.out / "check.md").write_text(table + "\n")
-        (args.out / "check.json").write_text(json.dumps(rows, indent=1))
-        plot_check(rows, args.out / "check.png")
-        print(table)
-        good = sum(abs(r["time_error"]) <= 0.25 for r in rows)
-        print(f"step time within 25% for {good} of {len(rows)} layouts; written to {args.out}")
-        four = [r for r in rows if r["ranks"] == 4]
-        if four:
-            machine = json.loads((args.out / CONSTANTS_FILE).read_text())
-            first = plan(m, 4, cfg.global_batch_size, math.inf, machine, cfg=cfg)[0]["layout"].name
-            fastest = min(four, key=lambda r: r["measured_s"])["layout"]
-            print(f"plan's first choice on 4 ranks: {first}; the fastest 4-rank layout measured: {fastest}")
-        return 0
+        return check_command(args, m, cfg)
     machine = load_machine(Path(args.machine) if args.machine else None, args.out)
     if args.published:
-        print("| published run (samples/s) | at the A100's peaks | share of peak | predicted | published "
-              "| error |\n|---|---|---|---|---|---|")
-        for r in published(args.yaml_config):
-            print(f"| {r['run']} | {r['peak']:.1f} | {r['share']:.0%} | {r['predicted']:.1f} "
-                  f"| {r['published']} | {r['predicted'] / r['published'] - 1:+.0%} |")
-        return 0
+        return published_command(args)
     if args.roofline:
-        a100 = GPU_SYSTEMS["a100-perlmutter"]
-        args.out.mkdir(parents=True, exist_ok=True)
-        pairs = [(machine, "float32")] * bool(machine) + [(a100, "bfloat16")]
-        plot_roofline(m, pairs, args.out / "roofline.png")
-        print(f"one block of {args.config}, 16 samples: FLOPs per byte moved (fp32)")
-        for name, f, by in block_layers(m, batch=16):
-            print(f"  {name:26} {f / by:8.1f}")
-        print(f"written to {args.out / 'roofline.png'}")
-        return 0
+        return roofline_command(args, m, machine)
     if args.plan:
-        if machine is None:
-            raise SystemExit("error: plan needs machine constants: run --calibrate first or give --machine")
-        rows = plan(m, args.gpus, args.global_batch_size, args.gpu_memory_gb * 1e9, machine, args.dtype, cfg)
-        if not rows:
-            print(f"no layout of {args.gpus} ranks fits {args.gpu_memory_gb} GB per rank")
-            return 1
-        print(f"layouts of {args.config} on {args.gpus} ranks within {args.gpu_memory_gb} GB, fastest first "
-              f"({machine['name']}):")
-        for r in rows[:12]:
-            terms = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(r["terms"].items(), key=lambda t: -t[1])
-                              if v * 1e3 >= 0.5)
-            print(f"  {r['layout'].name:32} {r['seconds'] * 1e3:8.1f} ms {r['memory'] / 1e9:7.3f} GB  "
-                  f"dominated by {r['dominant']} ({terms} ms)")
-        return 0
-    print(show(m, layout_from(args), machine, args.dtype))
+        return plan_command(args, m, cfg, machine)
+    print(show(m, layout_from(cfg, args.ranks), machine, args.dtype))
+    return 0
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    from scripts.cost_measure import calibrate
+
+    machine = calibrate(tuple(int(r) for r in args.calibrate_ranks.split(",")), args.calibrate_calls,
+                        args.calibrate_seconds)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / CONSTANTS_FILE).write_text(json.dumps(machine, indent=1))
+    for r, c in machine["by_ranks"].items():
+        print(f"{r} rank(s) at once: fp32 matmul {c['matmul_flops']['float32']['large'] / 1e9:.0f} "
+              f"GFLOP/s, bf16 {c['matmul_flops']['bfloat16']['large'] / 1e9:.0f}, memory "
+              f"{c['memory_bandwidth'] / 1e9:.1f} GB/s per rank" + "".join(
+                  f"; {k} {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s"
+                  for k, (lat, bw) in c.get("collectives", {}).items()))
+    print(f"written to {args.out / CONSTANTS_FILE}")
+    return 0
+
+
+def check_command(args: argparse.Namespace, m: Model, cfg: Any) -> int:
+    from scripts.instruments import write_report
+
+    rows = run_check(args, m)
+    table = check_table(rows)
+    write_report(args.out, "check", table, rows)
+    plot_check(rows, args.out / "check.png")
+    print(table)
+    good = sum(abs(r["time_error"]) <= 0.25 for r in rows)
+    print(f"step time within 25% for {good} of {len(rows)} layouts; written to {args.out}")
+    four = [r for r in rows if r["ranks"] == 4]
+    if four:
+        machine = json.loads((args.out / CONSTANTS_FILE).read_text())
+        first = plan(m, 4, cfg.global_batch_size, math.inf, machine, cfg=cfg)[0]["layout"].name
+        fastest = min(four, key=lambda r: r["measured_s"])["layout"]
+        print(f"plan's first choice on 4 ranks: {first}; the fastest 4-rank layout measured: {fastest}")
+    return 0
+
+
+def published_command(args: argparse.Namespace) -> int:
+    print("| published run (samples/s) | at the A100's peaks | share of peak | predicted | published "
+          "| error |\n|---|---|---|---|---|---|")
+    for r in published(args.yaml_config):
+        print(f"| {r['run']} | {r['peak']:.1f} | {r['share']:.0%} | {r['predicted']:.1f} "
+              f"| {r['published']} | {r['predicted'] / r['published'] - 1:+.0%} |")
+    return 0
+
+
+def roofline_command(args: argparse.Namespace, m: Model, machine: dict[str, Any] | None) -> int:
+    a100 = GPU_SYSTEMS["a100-perlmutter"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    pairs = [(machine, "float32")] * bool(machine) + [(a100, "bfloat16")]
+    plot_roofline(m, pairs, args.out / "roofline.png")
+    print(f"one block of {args.config}, 16 samples: FLOPs per byte moved (fp32)")
+    for name, f, by in block_layers(m, batch=16):
+        print(f"  {name:26} {f / by:8.1f}")
+    print(f"written to {args.out / 'roofline.png'}")
+    return 0
+
+
+def plan_command(args: argparse.Namespace, m: Model, cfg: Any, machine: dict[str, Any] | None) -> int:
+    if machine is None:
+        raise SystemExit("error: plan needs machine constants: run --calibrate first or give --machine")
+    rows = plan(m, args.gpus, args.global_batch_size, args.gpu_memory_gb * 1e9, machine, args.dtype, cfg)
+    if not rows:
+        print(f"no layout of {args.gpus} ranks fits {args.gpu_memory_gb} GB per rank")
+        return 1
+    print(f"layouts of {args.config} on {args.gpus} ranks within {args.gpu_memory_gb} GB, fastest first "
+          f"({machine['name']}):")
+    for r in rows[:12]:
+        terms = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(r["terms"].items(), key=lambda t: -t[1])
+                          if v * 1e3 >= 0.5)
+        print(f"  {r['layout'].name:32} {r['seconds'] * 1e3:8.1f} ms {r['memory'] / 1e9:7.3f} GB  "
+              f"dominated by {r['dominant']} ({terms} ms)")
     return 0
 
 

@@ -75,7 +75,7 @@ NEEDS_DATA = ("train_vs_graph", "dali", "ladder")
 # on 2 pytest workers; generating 68 samples of 360 x 720 (51 s on a 2-core Intel Xeon); 2 x 24
 # steps of `short` with 12 validations each; 11 DALI batches; 7 rungs of about 12 s (process,
 # loader workers, 15 steps) and torch.compile's first compile of `short` (about a minute)
-SHARES_S = {"tests": 290, "data": 70, "train_vs_graph": 70, "dali": 30, "ladder": 140}
+SHARES_S = {"tests": 320, "data": 70, "train_vs_graph": 60, "dali": 30, "ladder": 120}
 BUDGET_S = sum(SHARES_S.values())
 CONFIG = "gpu_check"  # the config the runs use: `short` on the generated data
 IMG_SIZE = (360, 720)
@@ -390,10 +390,6 @@ def describe_model(cfg: Any) -> str:
 
 
 # ---------------------------------------------------------- train vs graph ---
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def relative_difference(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
@@ -439,6 +435,7 @@ RUNS = (("train", "train.py"), ("graph", "train_graph.py"))  # (run name, script
 
 
 def check_train_vs_graph(ctx: Context, runs: tuple[tuple[str, str], ...] = RUNS) -> dict[str, Any]:
+    from scripts.instruments import read_metrics
     from utils.config import load_config
 
     run_root = load_config(ctx.yaml, CONFIG).exp_path / CONFIG
@@ -455,7 +452,7 @@ def check_train_vs_graph(ctx: Context, runs: tuple[tuple[str, str], ...] = RUNS)
         if not found:
             return failed(f"{script} wrote no metrics.jsonl")
         shutil.copy(found[0], ctx.out / "logs" / f"{label}_metrics.jsonl")
-        records.append(read_metrics(found[0]))
+        records.append(read_metrics(found[0].parent))
     names = (runs[0][1], runs[1][1])
     res = compare_losses(records[0], records[1], ctx.args.loss_rtol, names)
     if records[0] and records[1]:
@@ -574,11 +571,9 @@ def check_ladder(ctx: Context) -> dict[str, Any]:
 # ------------------------------------------------------------------ report ---
 def write_report(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
     """OUT/report.json (everything) and OUT/report.md (for people)."""
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / f"{REPORT}.json", out / f"{REPORT}.md"
-    json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    md_path.write_text(markdown(report))
-    return md_path, json_path
+    from scripts import instruments
+
+    return instruments.write_report(out, REPORT, markdown(report), report)
 
 
 def overall(report: dict[str, Any]) -> dict[str, int]:

@@ -83,6 +83,19 @@ TESTS: dict[str, GpuTest] = {
         1, budget_s=25, defect="a train_graph.py checkpoint's tensor learning rate refused by Adam"),
     f"{FILE}::test_sharded_checkpoint_resumes": GpuTest(2, budget_s=30),
     f"{FILE}::test_compile_with_fsdp_and_tp": GpuTest(4, budget_s=75),
+    # ---- the defects' own GPU tests, beside their CPU tests ----
+    "tests/test_communication.py::test_on_nccl_the_diagnosis_comes_before_nccls_watchdog": GpuTest(
+        2, NCCL_ONLY, budget_s=20, defect="the hang diagnosis cut short by NCCL's watchdog"),
+    "tests/test_communication.py::test_the_overlap_timeline_times_the_gpus_work_not_its_launches": GpuTest(
+        budget_s=3, defect="comm_overlap.py timing kernel launches instead of the GPU's work"),
+    "tests/test_clipping.py::test_offloaded_fsdp_clips_and_reports_on_nccl": GpuTest(
+        budget_s=15, defect="clipping offloaded shards over an NCCL-only group"),
+    "tests/test_experts.py::test_an_expert_parallel_layer_synchronises_once_on_a_gpu": GpuTest(
+        budget_s=3, defect="more than one host sync per mixture-of-experts layer"),
+    "tests/test_memory_record.py::test_a_gpu_step_is_recorded_with_python_frames_only": GpuTest(
+        budget_s=10, defect="a memory snapshot writing C++ stacks inside a watched step"),
+    "tests/test_cost_model.py::test_the_fp32_rate_is_tf32s_as_the_trainer_runs": GpuTest(
+        budget_s=5, defect="fp32 calibrated without TF32"),
     # ---- single-device GPU paths tested elsewhere ----
     "tests/test_ladder.py::test_graph_replay_matches_eager[none]": GpuTest(budget_s=10),
     "tests/test_ladder.py::test_graph_replay_matches_eager[bf16]": GpuTest(budget_s=5),
@@ -162,6 +175,15 @@ PARTS: tuple[Part, ...] = (
             "test_hsdp_with_memory_snapshot", "test_context_and_sequence_parallel")),
     Part("compile", "torch.compile'd blocks with FSDP x tensor parallelism on 4 ranks against one "
          "process", ("torch.compile with the parallel layouts",), _t("test_compile_with_fsdp_and_tp")),
+    Part("defects", "the review's GPU defects, each on its own: the NCCL hang named in time, "
+         "comm_overlap.py's GPU timeline, clipping offloaded shards on NCCL, one host sync per MoE layer, "
+         "Python-only snapshot stacks, TF32 in the calibration", (),
+         _t("tests/test_communication.py::test_on_nccl_the_diagnosis_comes_before_nccls_watchdog",
+            "tests/test_communication.py::test_the_overlap_timeline_times_the_gpus_work_not_its_launches",
+            "tests/test_clipping.py::test_offloaded_fsdp_clips_and_reports_on_nccl",
+            "tests/test_experts.py::test_an_expert_parallel_layer_synchronises_once_on_a_gpu",
+            "tests/test_memory_record.py::test_a_gpu_step_is_recorded_with_python_frames_only",
+            "tests/test_cost_model.py::test_the_fp32_rate_is_tf32s_as_the_trainer_runs")),
     Part("graph_replay", "CUDA graph replay equals eager (fp32, bf16)", (),
          _t("tests/test_ladder.py::test_graph_replay_matches_eager[none]",
             "tests/test_ladder.py::test_graph_replay_matches_eager[bf16]")),

@@ -99,12 +99,17 @@ def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
     return hint, {}
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config key, in argument groups named after the configuration's groups."""
+def add_config_flags(parser: argparse.ArgumentParser, keys: tuple[str, ...] | None = None) -> None:
+    """One flag per config key (or per key of ``keys``: a script that takes some of train.py's
+    flags, such as the cost model's layout), in argument groups named after the configuration's
+    groups. A flag left out is None: the YAML value stays."""
     for group in GROUPS.values():
+        fields = [f for f in dataclasses.fields(group) if keys is None or f.name in keys]
+        if not fields:
+            continue
         section = parser.add_argument_group(group.title, (group.__doc__ or "").split("\n\n")[0])
         hints = typing.get_type_hints(group)
-        for f in dataclasses.fields(group):
+        for f in fields:
             ftype, extra = _flag_type(hints[f.name])
             if ftype is not None:
                 extra["type"] = ftype
@@ -130,7 +135,7 @@ def arg_parser(description: str = "") -> argparse.ArgumentParser:
 
 def resolve_config(args: argparse.Namespace) -> Config:
     cfg = load_config(args.yaml_config, args.config)
-    return with_overrides(cfg, **{name: getattr(args, name) for name in FIELDS})
+    return with_overrides(cfg, **{name: getattr(args, name) for name in FIELDS if hasattr(args, name)})
 
 
 def run_dir_for(cfg: Config, config_name: str, run_num: str, mesh: meshes.ParallelMesh,
