@@ -96,7 +96,7 @@ class Block(nn.Module):
         if experts:  # a mixture of experts in place of the MLP (networks/moe.py)
             from networks.moe import MoEMLP
 
-            self.mlp = MoEMLP(dim, int(dim * mlp_ratio), dropout=dropout, **experts)
+            self.mlp = MoEMLP(dim, int(dim * mlp_ratio), dropout=dropout, expert=MLP, **experts)
         else:
             self.mlp = MLP(dim, int(dim * mlp_ratio), dropout)
 

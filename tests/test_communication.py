@@ -7,6 +7,7 @@ the course check, tests/test_readme.py.)"""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -292,7 +293,7 @@ def test_the_overlap_timeline_reads_a_gpus_times_once_its_work_is_done(monkeypat
     monkeypatch.setattr(default_hooks, "allreduce_hook", lambda group, bucket: allreduce)
     timeline = comm_overlap.Timeline(torch.device("cuda", 0))
     hook = comm_overlap.recording_hook(timeline, None)
-    bucket = type("Bucket", (), {"index": lambda self: 0})()
+    bucket = SimpleNamespace(index=lambda: 0)
 
     timeline.start()  # synchronize, then the first event (1)
     timeline.span("forward", 0.0)  # event 2
