@@ -200,7 +200,9 @@ def test_a_lost_node_ends_the_job_naming_it(slurm, data_dir, test_yaml, tmp_path
     # rank 0 and its store have gone)
     lines = re.findall(r"ERROR (rank \d gave up at .*)", out)
     assert lines and {line[5] for line in lines} <= {"0", "1"}, out[-3000:]
-    stopped = [re.findall(r"rank (\d) stopped responding \([^)]*node n2 \(host ", line) for line in lines]
+    stopped = [[m.group(1) for part in re.split(r"[:;] (?=rank \d)", line)
+                if (m := re.match(r"rank (\d) stopped responding .*, node n2 \(host \w+\) pid", part))]
+               for line in lines]
     assert ["2", "3"] in stopped, lines
     assert not any(re.search(r"rank [01] stopped responding", line) for line in lines), lines
     assert "srun: error: Node failure on n2" in out
