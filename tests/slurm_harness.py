@@ -23,6 +23,7 @@ its daemon and its tasks (:meth:`SlurmCluster.lose_node`).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import os
@@ -378,9 +379,7 @@ def local_cluster(nodes: int = 1) -> Iterator[SlurmCluster]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
+def arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="A throw-away Slurm cluster on this machine (run as "
                                      "root). start prints the line that points sbatch, squeue and "
                                      "scontrol at it.")
@@ -390,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("--nodes", type=int, default=1, help="number of nodes (n1, n2, ... when more than 1)")
     stop = sub.add_parser("stop", help="cancel the jobs, end the daemons, remove the /etc/hosts line")
     stop.add_argument("folder", type=Path)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arg_parser()
     args = parser.parse_args(argv)
     folder = args.folder.resolve()
     try:
