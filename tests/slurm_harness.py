@@ -112,8 +112,11 @@ def add_hosts_entry(names: list[str], tag: str, hosts: Path = HOSTS) -> None:
     MASTER_ADDR taken from the job's node list must be an address). Lines left by clusters whose
     folder is gone (a test session that was killed) are dropped on the way."""
     line = f"127.0.0.1 {' '.join(names)} {HOSTS_TAG}{tag}"
-    _edit_hosts(lambda lines: [x for x in lines if _ours(x) is None or Path(_ours(x)).exists()] + [line],
-                hosts)
+    try:
+        _edit_hosts(lambda lines: [x for x in lines if _ours(x) is None or Path(_ours(x)).exists()] + [line],
+                    hosts)
+    except OSError as err:
+        raise SlurmUnavailableError(f"cannot add the node names to {hosts} ({err})") from None
     wrong = [n for n in names if socket.gethostbyname(n) != "127.0.0.1"]
     if wrong and hosts == HOSTS:
         remove_hosts_entry(tag, hosts)
