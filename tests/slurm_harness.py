@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
@@ -89,7 +89,7 @@ HOSTS = Path("/etc/hosts")
 HOSTS_TAG = "# test Slurm cluster "  # + its folder: which cluster added the line
 
 
-def _edit_hosts(edit, hosts: Path = HOSTS) -> None:
+def _edit_hosts(edit: Callable[[list[str]], list[str]], hosts: Path = HOSTS) -> None:
     """Rewrite the hosts file in place (it may be a bind mount, which a rename would not
     replace), locked against another cluster's harness doing the same."""
     with open(hosts, "r+") as f:
@@ -117,11 +117,19 @@ def add_hosts_entry(names: list[str], tag: str, hosts: Path = HOSTS) -> None:
                     hosts)
     except OSError as err:
         raise SlurmUnavailableError(f"cannot add the node names to {hosts} ({err})") from None
-    wrong = [n for n in names if socket.gethostbyname(n) != "127.0.0.1"]
+    wrong = [n for n in names if not _resolves_here(n)]
     if wrong and hosts == HOSTS:
         remove_hosts_entry(tag, hosts)
-        raise SlurmUnavailableError(f"the node names {', '.join(wrong)} resolve to another address "
-                                    f"(an earlier line of {hosts} names them)")
+        raise SlurmUnavailableError(f"the node names {', '.join(wrong)} do not resolve to 127.0.0.1 "
+                                    f"through {hosts} (an earlier line names them, or the resolver "
+                                    f"does not read it)")
+
+
+def _resolves_here(name: str) -> bool:
+    try:
+        return socket.gethostbyname(name) == "127.0.0.1"
+    except OSError:
+        return False
 
 
 def remove_hosts_entry(tag: str, hosts: Path = HOSTS) -> None:
@@ -145,6 +153,13 @@ def _parent(pid: int) -> int | None:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _job_processes(conf: Path) -> list[int]:
@@ -311,7 +326,7 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
         node answers no more. Returns the task PIDs it killed."""
         listed = self._run(["scontrol", "listpids", job_id, node], timeout=10).stdout.split("\n")[1:]
         tasks = [int(line.split()[0]) for line in listed if line.strip()]
-        steps = {_parent(pid) for pid in tasks} - {None, 1}
+        steps = {p for p in map(_parent, tasks) if p is not None and _name(p).startswith("slurmstepd")}
         for pid in [self.node_pid(node), *steps, *tasks]:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
