@@ -21,7 +21,8 @@ from tests.conftest import REPO, subprocess_env
 from tests.ddp_helpers import metrics, run_dir, train_args, write_test_yaml
 from tests.slurm_harness import SlurmCluster, SlurmUnavailableError, local_cluster
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420), pytest.mark.xdist_group("slurm")]  # one cluster
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(420),
+              pytest.mark.xdist_group("slurm")]  # one cluster for the module
 
 # seconds; these jobs ran for 10-35 s here (the requeued one twice that), more on a busy machine
 JOB_TIMEOUT = 180
