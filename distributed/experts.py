@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed.mappings import all_to_all
-from distributed.mesh import ParallelMesh, check_expert_parallel, expert_layouts
+from distributed.mesh import ParallelMesh, check_expert_parallel, expert_layouts, gather_placement
 from distributed.tags import spec, tag
 from networks.moe import MoEMLP, assignment_shares
 
@@ -51,6 +51,11 @@ def add_expert_groups(mesh: ParallelMesh, ep: int) -> None:
                 mesh.groups[name] = group
     mesh.expert_parallel = ep
     mesh.coords["ep"] = mesh.dp_rank % ep
+    everyone = gather_placement(mesh, ["ep", "ep_replicas"])
+    if dist.get_rank() == 0:
+        for rank, (node, groups) in enumerate(everyone):
+            log.info("expert layout rank %d on node %s: experts split over %s, copies of its experts on %s",
+                     rank, node, groups["ep"], groups["ep_replicas"])
 
 
 def sort_by_expert(expert: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

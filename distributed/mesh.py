@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distributed.env import node_name
 from utils.config_groups import MemoryConfig, ModelConfig, ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -268,5 +269,42 @@ def build_mesh(sizes: dict[str, int], order: str = "tp-cp-dp", device_type: str 
         names = tuple(reversed(list(full)))
         mesh.device_mesh = DeviceMesh(device_type, mesh_ranks(full), mesh_dim_names=names)
         mesh.groups = {n: mesh.device_mesh.get_group(n) for n in full}
-    log.info("parallel layout %s", mesh.describe())
+        log_placement(mesh)
+    else:
+        log.info("parallel layout %s", mesh.describe())
     return mesh
+
+
+# the dimensions whose collectives run in every block: their groups belong inside a node
+INSIDE_A_NODE = {"tp": "tensor-parallel", "cp": "context-parallel"}
+
+
+def gather_placement(mesh: ParallelMesh, names: list[str]) -> list[tuple[str, dict[str, list[int]]]]:
+    """Every rank's node and the ranks of its groups of ``names``, as each rank sees them,
+    indexed by rank (collective: the ranks gather them)."""
+    mine = (node_name(), {n: dist.get_process_group_ranks(mesh.groups[n]) for n in names})
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def log_placement(mesh: ParallelMesh) -> None:
+    """Rank 0 logs every rank's node and groups ('rank 2 on node n2: tp 0/2 of [2, 3], cp 0/1,
+    dp 1/2 of [0, 2], pp 0/1'; collective), and warns of a tp or cp group that spans nodes: its
+    collectives, several per block, would cross the network between nodes."""
+    everyone = gather_placement(mesh, [n for n in mesh.sizes if mesh.size(n) > 1])
+    if dist.get_rank() != 0:
+        return
+    for rank, (node, groups) in enumerate(everyone):
+        parts = ", ".join(f"{n} {groups[n].index(rank)}/{len(groups[n])} of {groups[n]}" if n in groups
+                          else f"{n} 0/1" for n in mesh.sizes)
+        log.info("parallel layout rank %d on node %s: %s (order %s)", rank, node, parts, "-".join(mesh.sizes))
+    for name, what in INSIDE_A_NODE.items():
+        split = [ranks for ranks in sorted({tuple(g[name]) for _, g in everyone if name in g})
+                 if len({everyone[r][0] for r in ranks}) > 1]
+        if split:
+            nodes = sorted({everyone[r][0] for r in split[0]})
+            log.warning("%d %s group(s) span nodes (ranks %s on %s): their collectives, several per "
+                        "block, cross the network between nodes; make the ranks per node a multiple of "
+                        "tensor_parallel x context_parallel, with tp and cp first in --parallel_order",
+                        len(split), what, list(split[0]), ", ".join(nodes))

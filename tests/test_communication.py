@@ -130,6 +130,27 @@ def test_the_heartbeat_names_the_rank_that_did_not_arrive():
     assert "rank 1 never reported" in lonely.diagnosis()
 
 
+def test_the_heartbeat_names_a_rank_killed_a_moment_ago_and_its_node(monkeypatch):
+    """A rank killed an instant ago (a lost node: its connections close and the collective fails at
+    once) has a fresh last entry; it is named as stopped because it writes no new one, with the
+    Slurm node it ran on (SLURMD_NODENAME, which is not the host name when several nodes share a
+    machine)."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("SLURMD_NODENAME", "n2")
+    store = dist.HashStore()
+    ranks = [Heartbeat(store, r, 2, "hb/", period_s=0.05).start() for r in range(2)]
+    try:
+        time.sleep(0.1)
+        ranks[1].stop()  # killed: no more entries
+        line = ranks[0].diagnosis()
+        assert "rank 1 stopped responding (no sign of life for " in line, line
+        assert "last seen at step 0 in start-up, node n2 (host " in line, line
+    finally:
+        for r in ranks:
+            r.stop()
+
+
 def test_the_watchdog_watches_only_a_step_after_the_first():
     """A phase of a training step that lasts longer than the limit ends the process (torch 2.8's DDP
     on gloo never times out waiting for a frozen peer); not the first step (compilation), not

@@ -401,14 +401,49 @@ def _build_peak(cfg, run_dir) -> tuple[float, int]:
     return trainer.build_peak_MiB, trainer.n_params
 
 
+def _placement_on_two_nodes() -> None:
+    """4 ranks as 2 Slurm nodes of 2 (SLURMD_NODENAME n1, n1, n2, n2): rank 0 logs each rank's node
+    and groups as that rank reports them, and warns when tp groups span nodes (the order dp-tp-cp
+    puts dp fastest: tp groups [0, 2] and [1, 3])."""
+    import logging
+    import os
+
+    os.environ["SLURMD_NODENAME"] = f"n{dist.get_rank() // 2 + 1}"
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("distributed.mesh")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        build_mesh({"tp": 2, "cp": 1}, "tp-cp-dp")
+        build_mesh({"tp": 2, "cp": 1}, "dp-tp-cp")
+    finally:
+        logger.removeHandler(handler)
+        del os.environ["SLURMD_NODENAME"]
+    lines = [(r.levelname, r.getMessage()) for r in records]
+    if dist.get_rank() != 0:
+        assert lines == [], lines
+        return
+    assert ("INFO", "parallel layout rank 2 on node n2: tp 0/2 of [2, 3], cp 0/1, dp 1/2 of [0, 2], "
+                    "pp 0/1 (order tp-cp-dp-pp)") in lines, lines
+    assert ("INFO", "parallel layout rank 2 on node n2: dp 0/2 of [2, 3], tp 1/2 of [0, 2], cp 0/1, "
+                    "pp 0/1 (order dp-tp-cp-pp)") in lines, lines
+    warnings = [message for level, message in lines if level == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "2 tensor-parallel group(s) span nodes (ranks [0, 2] on n1, n2)"), warnings
+
+
 def _parity_then_fsdp_build(layouts: list[tuple[int, ...]], data_dir: str, out_dir: str) -> None:
-    """The layouts against serial, then FSDP on 4 ranks building a model of 1.6 GB: built on the
-    meta device, each rank allocates only its shards (and one whole parameter at a time), so its
-    peak grows by far less than half the model over a tiny model's build."""
+    """Where ranks sit on nodes, the layouts against serial, then FSDP on 4 ranks building a model
+    of 1.6 GB: built on the meta device, each rank allocates only its shards (and one whole
+    parameter at a time), so its peak grows by far less than half the model over a tiny model's
+    build."""
     from pathlib import Path
 
     from tests.conftest import make_cfg
 
+    _placement_on_two_nodes()
     _parity_on_ranks(layouts)
     out = Path(out_dir)
     tiny, _ = _build_peak(make_cfg(data_dir, out, data_parallel="fsdp"), out / "tiny")
@@ -422,7 +457,8 @@ def _parity_then_fsdp_build(layouts: list[tuple[int, ...]], data_dir: str, out_d
 
 @pytest.mark.slow
 def test_four_rank_layouts_match_serial_and_fsdp_builds_in_shards(data_dir, tmp_path):
-    # tp=2 x dp=2, tp=2 x cp=2, cp=2 x dp=2 (cp gradients summed inside DDP's comm hook), and
+    # the placement log and its warning of tp groups across nodes; then tp=2 x dp=2, tp=2 x cp=2,
+    # cp=2 x dp=2 (cp gradients summed inside DDP's comm hook), and
     # with sequence parallelism tp=2 x dp=2 (the hook sums part of a bucket over tp) and
     # tp=2 x cp=2 (tokens split over cp, then over tp; the tag hooks sum over both)
     # and expert parallel: tp=2 x dp=2 with the dp pair splitting the experts, and dp=4 in 2

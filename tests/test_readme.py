@@ -156,6 +156,7 @@ class Runner:
         self.tmp = tmp
         self.data: dict[tuple[int, int], Path] = {}
         self.seconds: list[tuple[float, str]] = []  # each command's run time (shown with -s)
+        self.slurm_conf: str | None = None  # the configuration of the local Slurm a page started
 
     def data_for(self, config: str) -> Path:
         size = load_config(DEFAULT_YAML, config).img_size
@@ -381,6 +382,34 @@ def check_sbatch(cmd: Command, runner: Runner) -> None:
 SUBMIT_ENV = {"DATADIR", "LOGDIR", "IMAGE", "ENABLE_PROFILING", "PROFILE_OUTPUT", "REQUEUE"}
 
 
+def check_slurm_harness(cmd: Command, runner: Runner) -> None:
+    """`python3 tests/slurm_harness.py start --nodes 2 DIR` (and `stop DIR`): a local Slurm cluster,
+    which needs root, starts daemons and edits /etc/hosts, so it is not started here
+    (tests/test_slurm_nodes.py starts one); the arguments parse with the harness's own parser."""
+    from tests.slurm_harness import SlurmCluster, arg_parser
+
+    _, words = cmd.env_and_words
+    try:
+        args = arg_parser().parse_args(words[2:])
+    except SystemExit as err:
+        raise AssertionError(f"tests/slurm_harness.py rejects {words[2:]}") from err
+    if args.action == "start":
+        runner.slurm_conf = str(SlurmCluster(args.folder).conf)
+
+
+def check_export(cmd: Command, runner: Runner) -> None:
+    """`export SLURM_CONF=...` names the configuration of the cluster the page started just before;
+    `export OMP_NUM_THREADS=N` a number of threads."""
+    _, words = cmd.env_and_words
+    assert len(words) == 2, cmd.text
+    name, _, value = words[1].partition("=")
+    if name == "SLURM_CONF":
+        assert value == runner.slurm_conf, f"{value} is not the slurm.conf of the cluster started before " \
+                                           f"({runner.slurm_conf})"
+    else:
+        assert name == "OMP_NUM_THREADS" and value.isdigit(), f"no rule for {cmd.text}"
+
+
 def check_make(cmd: Command, runner: Runner) -> None:
     """`make train` runs what it stands for, `python train.py --config tiny`, in the course's
     folder (a later command that lands in its run folder must not find it done). Other targets
@@ -423,6 +452,8 @@ def check_pytest(cmd: Command, runner: Runner) -> None:
 
 RULES = [
     (r"^(\.venv/bin/)?python3? -m pytest\b", check_pytest),
+    (r"^python3? tests/slurm_harness\.py\b", check_slurm_harness),
+    (r"^export [A-Z_]+=", check_export),
     (r"^([A-Z_]+=\S+ )*(python3?|\.venv/bin/python|torchrun)\b", check_local_python),
     (r"^([A-Z_]+=\S+ )*sbatch\b", check_sbatch),
     (r"^make\b", check_make),
