@@ -11,7 +11,6 @@ import datetime
 import logging
 import os
 import re
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -47,14 +46,6 @@ def first_host(nodelist: str) -> str:
     if ranges is None:
         return prefix
     return prefix + re.split(r"[-,]", ranges)[0]
-
-
-def node_name(env: dict[str, str] | None = None) -> str:
-    """This process's node: Slurm's name for it (SLURMD_NODENAME, set in every task), else the
-    host name. They are the same on most clusters; they differ where several Slurm nodes share
-    one machine (the tests' two-node cluster)."""
-    env = os.environ if env is None else env
-    return env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _int(env: dict[str, str], name: str) -> int:

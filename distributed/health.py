@@ -46,7 +46,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from distributed.env import node_name
+from utils.device import node_name
 
 log = logging.getLogger(__name__)
 

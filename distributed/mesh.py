@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distributed.env import node_name
 from utils.config_groups import MemoryConfig, ModelConfig, ParallelConfig
+from utils.device import node_name
 
 log = logging.getLogger(__name__)
 
