@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import subprocess
@@ -153,7 +152,7 @@ def test_compiled_model_and_loss_match_eager(cfg_factory, tmp_path, caplog):
     torch.testing.assert_close(bf16[1], bf16[0], rtol=0.05, atol=0.05)
     compiled.train_data.set_epoch(0)
     with caplog.at_level("INFO", logger="training.reporting"):
-        compiled.cfg = dataclasses.replace(compiled.cfg, num_iters=1)
+        compiled.cfg = compiled.cfg.replace(num_iters=1)
         compiled.train_epoch(0, 0)
     assert "torch.compile: compiling the model in the first step" in caplog.text
     assert "torch.compile: first step done in" in caplog.text

@@ -62,6 +62,8 @@ class Group:
             value = getattr(self, name)
             if value is not None and value < minimum:
                 what = "at least 1" if minimum == 1 else f"{minimum} or more"
+                if minimum == 1 and type(None) in typing.get_args(_hints(type(self))[name]):
+                    what = f"None or {what}"
                 raise ValueError(f"config key '{name}' must be {what}, got {value}")
 
 
