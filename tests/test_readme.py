@@ -671,3 +671,10 @@ def test_a_name_placed_in_the_wrong_file_is_found():
     assert not defines(REPO / "utils" / "era5.py", "ShardedSampler")
     assert defines(REPO / "utils" / "data_loader.py", "ShardedSampler")
     assert FILE_AND_NAME.findall(wrong) == [("utils/device.py", "nvtx_range")]
+
+
+def test_every_test_file_is_described_in_docs_tests_md():
+    """docs/tests.md says what each test file checks: a new file brings its row."""
+    text = (DOCS / "tests.md").read_text()
+    missing = [p.name for p in sorted((REPO / "tests").glob("test_*.py")) if f"`{p.name}`" not in text]
+    assert not missing, f"add a row to docs/tests.md for {missing}"
