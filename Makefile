@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 DATA   := data/synthetic
 CONFIG ?= tiny
 
-.PHONY: venv data train test test-compat test-newest lint clean-logs exercise gpu-check deepspeed
+.PHONY: venv data train test test-compat test-newest compat-env lint clean-logs exercise gpu-check deepspeed
 
 venv: $(STAMP)
 
@@ -50,8 +50,10 @@ test: venv lint
 # (.venv-compat-VERSION, the CUDA build from the package index, 7.8 GB installed for 2.8.0; it
 # runs on a CPU): the oldest (2.8.0, what NERSC's containers carry) with `make test-compat`, the
 # newest (requirements-newest.txt) with `make test-newest`; COMPAT_TORCH=2.11.0 make test-compat
-# tries another. These runs leave out the walk through the course's pages (marker `course`):
-# it checks commands and pages, which the pinned torch of `make test` covers.
+# tries another. These runs leave out the walk through the course's pages (marker `course`: it
+# checks commands and pages, which the pinned torch of `make test` covers) and the Slurm tests
+# (marker `slurm`: the submit scripts and the cluster's nodes, signals and requeue, which do not
+# depend on torch's version); `make compat-env` only builds the environment.
 COMPAT_TORCH ?= 2.8.0
 NEWEST_TORCH := $(shell sed -n 's/^torch==//p' requirements-newest.txt)
 COMPAT_VENV  := .venv-compat-$(COMPAT_TORCH)
@@ -64,8 +66,10 @@ $(COMPAT_STAMP): requirements.txt requirements-newest.txt
 	$(COMPAT_VENV)/bin/python -m pip install --quiet torch==$(COMPAT_TORCH) -r $(COMPAT_VENV)/requirements-no-torch.txt
 	@touch $@
 
+compat-env: $(COMPAT_STAMP)
+
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT_VENV)/bin/python -m pytest -n 2 --dist loadgroup -m "not course and not deepspeed"
+	$(COMPAT_VENV)/bin/python -m pytest -n 2 --dist loadgroup -m "not course and not deepspeed and not slurm"
 
 test-newest:
 	$(MAKE) test-compat COMPAT_TORCH=$(NEWEST_TORCH)
