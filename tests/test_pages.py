@@ -30,11 +30,13 @@ def where(page: Path, text: str, index: int) -> str:
 # ------------------------------------------------------------------------------------ bubble ---
 # The idle fraction of a pipeline stage's step: p stages, m micro-batches, v stages per rank.
 BUBBLE_FORMS = {"(p - 1) / (m + p - 1)", "(p - 1) / (v m + p - 1)"}
-BUBBLE = re.compile(r"\((?:p|pp|stages) ?- ?1\) ?/ ?(?:\([^)]*\)|[\w.]+)")
+BUBBLE = re.compile(r"\((?:p|pp|stages) *- *1\) */ *(?:\([^)]*\)|[\w.]+)")
 
 
 def bubble_fractions(text: str) -> list[tuple[int, str]]:
-    return [(m.start(), m.group()) for m in BUBBLE.finditer(text)]
+    """Each bubble fraction with its place in the text, line breaks read as spaces."""
+    flat = re.sub(r"\s*\n\s*", lambda m: " " * len(m.group()), text)  # same length, same places
+    return [(m.start(), re.sub(" +", " ", m.group())) for m in BUBBLE.finditer(flat)]
 
 
 def test_the_bubble_is_written_one_way_on_every_page():
@@ -52,9 +54,10 @@ def test_the_bubble_is_written_one_way_on_every_page():
 
 
 def test_the_bubble_check_finds_other_forms():
-    odd = "the bubble is (pp - 1) / m of a step, or (p - 1)/(m + p) or (stages - 1) / (m + stages - 1)"
+    odd = ("the bubble is (pp - 1) / m of a step, or (p - 1)/(m + p) or (stages - 1) / (m + stages - 1)"
+           " or (p -\n  1) / m")
     assert [f for _, f in bubble_fractions(odd)] == ["(pp - 1) / m", "(p - 1)/(m + p)",
-                                                      "(stages - 1) / (m + stages - 1)"]
+                                                      "(stages - 1) / (m + stages - 1)", "(p - 1) / m"]
     assert not set(f for _, f in bubble_fractions(odd)) & BUBBLE_FORMS
 
 
