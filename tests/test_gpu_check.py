@@ -4,6 +4,7 @@ isolation; the checks themselves on a GPU (marked cuda)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -472,9 +473,12 @@ def test_make_gpu_check_uses_the_python_that_runs_it_and_installs_nothing():
     makefile = (REPO / "Makefile").read_text()
     target = re.search(r"^gpu-check:(.*)$", makefile, re.M)
     assert target and target.group(1).strip() == "", f"gpu-check has prerequisites: {target.group(1)}"
+    # as a reader's shell runs it: not as a sub-make of `make test` (whose MAKELEVEL makes make print
+    # the directories it enters, and whose MAKEFLAGS would pass its own variables down)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     for python in (None, "/opt/container/bin/python"):
         cmd = ["make", "-n", "gpu-check", "ARGS=--skip ladder"] + ([f"PYTHON={python}"] if python else [])
-        dry = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+        dry = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
         assert dry.returncode == 0, dry.stderr
         lines = dry.stdout.strip().splitlines()
         assert lines == [f"{python or 'python3'} scripts/gpu_check.py --skip ladder"], lines

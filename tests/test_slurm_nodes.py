@@ -205,6 +205,8 @@ def test_a_lost_node_ends_the_job_naming_it(slurm, data_dir, test_yaml, tmp_path
     stopped = [[m.group(1) for part in re.split(r"[:;] (?=rank \d)", line)
                 if (m := re.match(r"rank (\d) stopped responding .*, node n2 \(host \w+\) pid", part))]
                for line in lines]
-    assert ["2", "3"] in stopped, lines
-    assert not any(re.search(r"rank [01] stopped responding", line) for line in lines), lines
+    # one line names both of n2's ranks and none of n1's as stopped (a rank of n1 that gives up after
+    # its neighbour on n1 has already exited may rightly name that neighbour too)
+    naming = [line for line, ranks in zip(lines, stopped) if ranks == ["2", "3"]]
+    assert any(not re.search(r"rank [01] stopped responding", line) for line in naming), lines
     assert "srun: error: Node failure on n2" in out
