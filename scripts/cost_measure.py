@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,55 @@ CALIBRATION_SIZES = (2**12, 2**18, 2**20, 2**22)  # payload bytes
 BROADCAST_BATCH = 8  # broadcasts in one timed call (their latency per call is what is fitted)
 
 
+def seconds_per_call(fn: Callable[[], Any], device: torch.device, seconds: float = 0.25,
+                     group: bool = False, rounds: int = 1) -> float:
+    """Seconds one call of ``fn`` takes: as many calls as make about ``seconds`` after a first
+    (warm-up) call, timed together; with ``rounds`` > 1, that many such batches of calls and the
+    fastest (a busy machine slows some of them). With ``group`` (a process group) every rank
+    does the same number of calls, started together, and the time is until the last is done."""
+    import torch.distributed as dist
+
+    from utils import device as dev
+
+    start = time.perf_counter()
+    fn()
+    dev.synchronize(device)
+    # how many calls make about `seconds`; one, when the first alone took longer (bf16 on a
+    # CPU without bf16 arithmetic: seconds for one large product)
+    runs, slow = 0, time.perf_counter() - start > seconds
+    start = time.perf_counter()
+    while not slow and time.perf_counter() - start < seconds / 5:
+        fn()
+        dev.synchronize(device)
+        runs += 1
+    calls = torch.tensor([max(1, 5 * runs)], device=device)
+    if group:  # the same number on every rank
+        dist.all_reduce(calls, op=dist.ReduceOp.MIN)
+    best = float("inf")
+    for _ in range(rounds):
+        if group:
+            dist.barrier()
+        start = time.perf_counter()
+        for _ in range(int(calls)):
+            fn()
+        dev.synchronize(device)
+        if group:
+            dist.barrier()
+        best = min(best, (time.perf_counter() - start) / int(calls))
+    return best
+
+
+def layer_products(tokens: int, k: int, n: int, dtype: torch.dtype,
+                   device: torch.device) -> tuple[Callable[[], Any], int]:
+    """A linear layer of ``k`` features to ``n`` over ``tokens`` rows, its three matmuls as a
+    training step runs them: forward x (tokens, k) @ w^T, the input's gradient g (tokens, n) @ w,
+    the weight's g^T @ x (transposed operands run at other speeds than a plain product). Returns
+    the call that runs the three and their FLOPs (2 per multiply-add, 2 * tokens * k * n each)."""
+    x, w, g = (torch.randn(*shape, dtype=dtype, device=device)
+               for shape in ((tokens, k), (n, k), (tokens, n)))
+    return (lambda: (x @ w.t(), g @ w, g.t() @ x)), 3 * 2 * tokens * k * n
+
+
 def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
     """This rank's achieved matmul FLOP/s per dtype: "large", a 1024 x 1024 x 1024 product;
     "small", a small model's layer (2048 tokens of 128 features to 384), its three products as a
@@ -205,28 +255,7 @@ def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
     dev.configure_matmul(device)
 
     def timed(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        dev.synchronize(device)
-        # how many calls make about `seconds`; one, when the first alone took longer (bf16 on a
-        # CPU without bf16 arithmetic: seconds for one large product)
-        runs, slow = 0, time.perf_counter() - start > seconds
-        start = time.perf_counter()
-        while not slow and time.perf_counter() - start < seconds / 5:
-            fn()
-            dev.synchronize(device)
-            runs += 1
-        calls = torch.tensor([max(1, 5 * runs)], device=device)
-        if group:  # the same number on every rank
-            dist.all_reduce(calls, op=dist.ReduceOp.MIN)
-            dist.barrier()
-        start = time.perf_counter()
-        for _ in range(int(calls)):
-            fn()
-        dev.synchronize(device)
-        if group:
-            dist.barrier()
-        return (time.perf_counter() - start) / int(calls)
+        return seconds_per_call(fn, device, seconds, group)
 
     from utils import attention
 
@@ -235,9 +264,8 @@ def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
         rates = {}
         a, b = (torch.randn(1024, 1024, dtype=dtype, device=device) for _ in range(2))
         rates["large"] = 2 * 1024**3 / timed(lambda a=a, b=b: a @ b)
-        t, k, c = 2048, 128, 384
-        x, w, g = (torch.randn(*shape, dtype=dtype, device=device) for shape in ((t, k), (c, k), (t, c)))
-        rates["small"] = 3 * 2 * t * k * c / timed(lambda x=x, w=w, g=g: (x @ w.t(), g @ w, g.t() @ x))
+        products, flops = layer_products(2048, 128, 384, dtype, device)
+        rates["small"] = flops / timed(products)
         shape = (16, 4, 128, 32)  # (batch, heads, tokens, head dim)
         q, key, v = (torch.randn(shape, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
         grad = torch.randn(shape, dtype=dtype, device=device)
