@@ -19,14 +19,19 @@ re-implemented) for ``--warmup`` + ``--steps`` steps and reports
 * peak memory: the CUDA allocator's peak, or on CPU the process's peak resident set
   (VmHWM, reset before each rung);
 * model FLOPs per sample (forward + backward, counted by torch.utils.flop_counter) and
-  MFU against the matmul peak of the rung's dtype, measured in this run on this device with
-  the trainer's matmul settings (on CUDA, fp32 matmuls on TF32 tensor cores);
+  MFU against two peaks of the rung's dtype, both measured in this run on this device with
+  the trainer's matmul settings (on CUDA, fp32 matmuls on TF32 tensor cores): one large
+  square matmul, what the hardware can do; and the model's own linear layers at this batch
+  (each distinct M x K x N, forward and the two backward products), what this model can reach
+  here (a CPU's bf16 units reach their peak only on large enough products);
 * the data loader alone (no model) against a plain h5py read of the same samples.
 
 A bare PyTorch loop over the same model and one batch held in memory (no loader, no
 logging, no scheduler), with the rung's precision, Adam kernel, compilation and attention
 kernel, is the reference: it runs right after each rung (the same state of the process and
-the machine), and ``vs bare`` is the rung's samples/s over it. The attention table times
+the machine), and ``vs bare`` is the rung's samples/s over it. A rung whose training loss is
+not finite does not train: it is reported as failed, with the step, and not timed (it stops at
+the end of its warm-up when the loss is already not finite there). The attention table times
 one attention call per kernel and dtype (utils/attention.py). Results go to
 OUT_DIR/benchmark.json and OUT_DIR/benchmark.md.
 """
@@ -581,11 +586,27 @@ def bare_key(cfg: Config) -> BareKey:
     return cfg.amp_mode, cfg.enable_fused, cfg.enable_jit
 
 
-def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[str, float],
-              amp: str, fused: bool, jit: bool) -> dict[str, Any]:
-    """The reference: the same model and one batch from memory, nothing around the step. It
-    runs the attention kernel the trainer chooses for these settings (utils/attention.py)."""
-    device = opts.device
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one rung, each followed by its bare loop (so that load from other processes hits
+    both alike) -> the rung's result: the round of median samples/s (the lower of the two middle
+    ones for an even count), with the bare loop's median rate and ``vs_bare`` the median of the
+    rounds' own ratios; every round's rates under ``rounds``."""
+    if len(rounds) == 1:
+        return rounds[0]
+    rung = dict(sorted(rounds, key=lambda r: r["samples_per_sec"])[(len(rounds) - 1) // 2])
+    keys = ("samples_per_sec", "bare_samples_per_sec", "vs_bare")
+    rung["rounds"] = [{k: r[k] for k in keys if k in r} for r in rounds]
+    if all("vs_bare" in r for r in rounds):
+        rung["bare_samples_per_sec"] = statistics.median(r["bare_samples_per_sec"] for r in rounds)
+        rung["vs_bare"] = statistics.median(r["vs_bare"] for r in rounds)
+    return rung
+
+
+def bare_step(cfg: Config, batch: int, device: torch.device, amp: str, fused: bool,
+              jit: bool) -> tuple[Callable[[], torch.Tensor], str]:
+    """The bare loop's step (it returns the loss), over the same model and one batch held in
+    memory, and the attention kernel it runs: the one the trainer chooses for these settings
+    (utils/attention.py)."""
     torch.manual_seed(cfg.seed)
     model = build_vit(cfg).to(device)
     # the Trainer's Adam kernel (fused, else foreach), so the reference differs from it only in
@@ -608,6 +629,14 @@ def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    return step, kernel
+
+
+def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[str, float],
+              amp: str, fused: bool, jit: bool) -> dict[str, Any]:
+    """The reference: the same model and one batch from memory, nothing around the step."""
+    device = opts.device
+    step, kernel = bare_step(cfg, batch, device, amp, fused, jit)
     for _ in range(opts.warmup):
         step()
     dev.synchronize(device)
@@ -626,8 +655,11 @@ def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[
 # ------------------------------------------------------------------- output ---
 def markdown(report: dict[str, Any]) -> str:
     gflops = lambda peaks: ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peaks.items())  # noqa: E731
+    rounds = report["rounds"]
+    alternated = f", {rounds} rounds of each rung and its bare loop alternated (medians)" * (rounds > 1)
     lines = [f"Config `{report['config']}`, batch {report['batch']}, {report['steps']} timed steps "
-             f"after {report['warmup']} warm-up; {report['device_name']}, torch {report['torch']} "
+             f"after {report['warmup']} warm-up{alternated}; {report['device_name']}, "
+             f"torch {report['torch']} "
              f"(1-minute load average at the end: {report['load_average_1min_at_end']:.1f}).",
              f"Model: {report['flops_per_sample'] / 1e9:.2f} GFLOP per sample (forward + backward, "
              f"FlopCounterMode). Matmul peak measured here, GFLOP/s: one large square matmul "
@@ -741,6 +773,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rungs", default=",".join(RUNG_NAMES), help="comma-separated subset of: "
                    + ", ".join(RUNG_NAMES))
     p.add_argument("--no_bare", action="store_true", help="skip the bare-loop reference")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="train each rung this many times, each followed by its bare loop; report the "
+                   "median (on a shared machine, so that other processes' load hits both alike)")
     p.add_argument("--batch", type=int, help="global batch (default: the config's); smaller for a "
                                              "quick look on a slow machine")
     p.add_argument("--attention_kernel", choices=ATTENTION_KERNELS,
@@ -761,8 +796,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"error: unknown rung(s) {', '.join(sorted(unknown))}; "
                          f"choose from {', '.join(RUNG_NAMES)}")
-    if min(args.steps, args.profile_steps, args.loader_batches) < 1:
-        raise SystemExit("error: --steps, --profile_steps and --loader_batches must be at least 1")
+    if min(args.steps, args.profile_steps, args.loader_batches, args.rounds) < 1:
+        raise SystemExit("error: --steps, --profile_steps, --loader_batches and --rounds must be at least 1")
     if min(args.warmup, args.workers) < 0 or args.matmul_size < 2:
         raise SystemExit("error: --warmup and --workers must be at least 0, --matmul_size at least 2")
     if not args.shape_seconds > 0:
@@ -805,15 +840,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     for i, (name, cfg) in enumerate(configs):
         print(f"rung {i + 1}/{len(configs)} {name} ...", file=sys.stderr, flush=True)
-        rung = run_rung(name, cfg, opts, batch, flops, peaks, loader_cache, ceilings)
+        rounds = []
+        for _ in range(args.rounds):
+            rung = run_rung(name, cfg, opts, batch, flops, peaks, loader_cache, ceilings)
+            if "failed" in rung:  # it does not train: nothing to compare, nothing to repeat
+                break
+            # right after the rung: the same state of the process and machine
+            if not args.no_bare:
+                bare.append(bare_loop(base, batch, opts, flops, peaks, *bare_key(cfg)))
+                if "failed" not in bare[-1]:
+                    rung["bare_samples_per_sec"] = bare[-1]["samples_per_sec"]
+                    rung["vs_bare"] = rung["samples_per_sec"] / bare[-1]["samples_per_sec"]
+            rounds.append(rung)
+        rung = rung if "failed" in rung else median_round(rounds)
         rungs.append(rung)
-        # right after the rung: the same state of the process and machine (a failed rung has no
-        # speed to compare)
-        if not args.no_bare and "failed" not in rung:
-            bare.append(bare_loop(base, batch, opts, flops, peaks, *bare_key(cfg)))
-            if "failed" not in bare[-1]:
-                rung["bare_samples_per_sec"] = bare[-1]["samples_per_sec"]
-                rung["vs_bare"] = rung["samples_per_sec"] / bare[-1]["samples_per_sec"]
         pace, remaining = (time.perf_counter() - started) / (i + 1), configs[i + 1 :]
         left = f", about {pace * len(remaining):.0f} s left at this pace" if remaining else ""
         if any(c.enable_jit for _, c in remaining):
@@ -823,6 +863,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {result}{left}", file=sys.stderr, flush=True)
     report: dict[str, Any] = {
         "config": args.config, "batch": batch, "steps": args.steps, "warmup": args.warmup,
+        "rounds": args.rounds,
         "device": str(device), "device_name": device_name(device), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "flops_per_sample": flops,
         "load_average_1min_at_end": os.getloadavg()[0],  # other work on the machine skews everything

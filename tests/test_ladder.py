@@ -376,6 +376,26 @@ def test_a_rung_whose_loss_is_not_finite_stops_before_it_is_timed():
     assert fine.t_start is not None and fine.first_non_finite() is None
 
 
+def test_rounds_of_a_rung_report_the_median_round_and_the_median_ratio():
+    """--rounds N: each round of a rung is followed by its bare loop; on a busy machine one round
+    can be slow on either side, so the rung reports its median round and the median of the
+    rounds' own ratios (not the ratio of two medians from different rounds)."""
+    from scripts.benchmark import median_round
+
+    def round_(rate: float, bare: float) -> dict:
+        return {"samples_per_sec": rate, "bare_samples_per_sec": bare, "vs_bare": rate / bare,
+                "step_ms": 1000 / rate}
+
+    rounds = [round_(10.0, 10.0), round_(6.0, 12.0), round_(9.0, 9.5)]
+    rung = median_round(rounds)
+    assert rung["samples_per_sec"] == 9.0 and rung["step_ms"] == 1000 / 9.0  # the median round, whole
+    assert rung["bare_samples_per_sec"] == 10.0  # the bare loops' median
+    assert rung["vs_bare"] == 9.0 / 9.5  # ratios 1.0, 0.5, 0.947: their median
+    assert [r["samples_per_sec"] for r in rung["rounds"]] == [10.0, 6.0, 9.0]
+    assert median_round(rounds[:1]) is rounds[0]
+    assert median_round(rounds[:2])["samples_per_sec"] == 6.0  # even: the lower middle round
+
+
 def test_benchmark_measures_peaks_under_the_trainer_matmul_settings(monkeypatch):
     from scripts import benchmark
 
@@ -527,6 +547,8 @@ def test_dali_missing_is_one_clean_error(cfg_factory, monkeypatch):
     (["--config", "smal"], "error: unknown config 'smal'"),
     (["--matmul_size", "1"], "error: --warmup and --workers must be at least 0, --matmul_size at least 2"),
     (["--rungs", "+turbo"], r"error: unknown rung\(s\) \+turbo"),
+    (["--rounds", "0"], "error: --steps, --profile_steps, --loader_batches and --rounds must be at least 1"),
+    (["--shape_seconds", "0"], "error: --shape_seconds must be above 0"),
 ])
 def test_benchmark_bad_options_are_one_line_errors(argv, message):
     from scripts.benchmark import main as benchmark_main
