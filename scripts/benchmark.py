@@ -303,12 +303,14 @@ def measure_peaks(device: torch.device, amp: str, n: int) -> dict[str, float]:
     return {mode: matmul_peak(device, DTYPES[mode], n) for mode in ("none", amp)}
 
 
-def linear_shapes(cfg: Config, batch: int) -> dict[tuple[int, int, int], int]:
+def linear_shapes(cfg: Config, batch: int,
+                  device: torch.device | None = None) -> dict[tuple[int, int, int], int]:
     """Every distinct (M, K, N) of the model's linear layers at this batch (M rows: the batch's
     tokens; K input features; N output features) and how many layers have it. Read from one
-    forward of one sample on the CPU (a layer's rows grow with the batch); a forward on the meta
-    device would need no arithmetic, but its attention imports sympy: seconds."""
-    model = build_vit(cfg)
+    forward of one sample on ``device`` (a layer's rows grow with the batch); a forward on the
+    meta device would need no arithmetic, but its attention imports sympy: seconds."""
+    device = device or torch.device("cpu")
+    model = build_vit(cfg).to(device)
     h, w = cfg.img_size
     shapes: dict[tuple[int, int, int], int] = {}
 
@@ -320,7 +322,7 @@ def linear_shapes(cfg: Config, batch: int) -> dict[tuple[int, int, int], int]:
         if isinstance(layer, torch.nn.Linear):
             layer.register_forward_pre_hook(note)
     with torch.no_grad():
-        model(torch.zeros(1, cfg.n_in_channels, h, w))
+        model(torch.zeros(1, cfg.n_in_channels, h, w, device=device))
     return shapes
 
 
@@ -348,7 +350,7 @@ def measure_shape_peaks(cfg: Config, batch: int, device: torch.device, amp: str,
                         seconds: float = 0.25) -> dict[str, dict[str, Any]]:
     """shape_peak of fp32 ('none') and ``amp`` under the trainer's matmul settings."""
     dev.configure_matmul(device)
-    shapes = linear_shapes(cfg, batch)
+    shapes = linear_shapes(cfg, batch, device)
     return {mode: shape_peak(shapes, device, DTYPES[mode], seconds) for mode in ("none", amp)}
 
 
