@@ -129,7 +129,6 @@ class RungClock(Callback):
                 self.t_end = now
         self.last_end = time.perf_counter()
 
-
     def first_non_finite(self) -> tuple[int, float] | None:
         """(step, loss) of the first step whose training loss is not finite (steps counted from
         1, as the Trainer counts them), or None."""
@@ -710,7 +709,7 @@ def markdown(report: dict[str, Any]) -> str:
 def rung_row(r: dict[str, Any]) -> str:
     """One rung's row of the table; a failed rung says why, with no numbers."""
     if "failed" in r:
-        return (f"| {r['name']} | **failed**: {r['failed']}, not timed |" + " - |" * 11
+        return (f"| {r['name']} | **failed**: {r['failed']}, not timed |" + " - |" * 10
                 + f" {r['attention_kernel']} | - | - |")
     b = r["breakdown_ms"]
     mem = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r["peak_memory_bytes"] else "n/a"

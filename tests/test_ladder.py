@@ -291,6 +291,8 @@ def test_benchmark_smoke_writes_every_field(cfg_factory, tmp_path, capsys, monke
     table = (out / "benchmark.md").read_text()
     assert all(f"| {name} |" in table for name in rungs)
     assert f"| +AMP | **failed**: {failed['failed']}, not timed |" in table
+    rows = [line for line in table.splitlines() if line.startswith(("| rung |", "| +AMP |", "| baseline |"))]
+    assert len({row.count("|") for row in rows}) == 1  # the failed rung's row has every column
     # the header names the CPU's model and matrix instructions, and torch's CPU kernels
     assert f"CPU {dev.cpu_description()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}" \
         in table.splitlines()[0]
