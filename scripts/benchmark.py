@@ -325,19 +325,35 @@ def linear_shapes(cfg: Config, batch: int,
     return shapes
 
 
+def fastest_call(fn: Callable[[], Any], device: torch.device, seconds: float, least: int = 3) -> float:
+    """Seconds of the fastest of single calls of ``fn`` over about ``seconds`` (at least ``least``
+    calls, after one to warm up): a peak, taken as matmul_peak takes it; on a busy machine the
+    fastest call is the one that other processes did not slow down."""
+    fn()
+    dev.synchronize(device)
+    best, start, calls = float("inf"), time.perf_counter(), 0
+    while calls < least or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        fn()
+        dev.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+        calls += 1
+    return best
+
+
 def shape_peak(shapes: dict[tuple[int, int, int], int], device: torch.device, dtype: torch.dtype,
                seconds: float = 0.25) -> dict[str, Any]:
     """The FLOP/s of the model's own linear layers on this device: each distinct shape's three
-    products (forward and the two of backward, scripts/cost_measure.py:layer_products) timed in
-    ``dtype``, the fastest of 3 rounds; their FLOPs over their seconds, each shape weighted by
-    the layers that have it, as a step runs them. The ceiling for this model here: a step that
-    ran at its linear layers' speed and did nothing else."""
-    from scripts.cost_measure import layer_products, seconds_per_call
+    products (forward and the two of backward, as scripts/cost_measure.py:layer_products runs a
+    layer), the fastest call in ``dtype``; their FLOPs over their seconds, each shape weighted
+    by the layers that have it, as a step runs them. The ceiling for this model here: a step
+    that ran at its linear layers' speed and did nothing else."""
+    from scripts.cost_measure import layer_products
 
     rows, flops, seconds_total = [], 0, 0.0
     for (m, k, n), layers in sorted(shapes.items()):
         products, shape_flops = layer_products(m, k, n, dtype, device)
-        t = seconds_per_call(products, device, seconds, rounds=3)
+        t = fastest_call(products, device, seconds)
         rows.append({"m": m, "k": k, "n": n, "layers": layers, "flops": shape_flops, "seconds": t,
                      "flops_per_sec": shape_flops / t})
         flops += layers * shape_flops

@@ -181,44 +181,6 @@ CALIBRATION_SIZES = (2**12, 2**18, 2**20, 2**22)  # payload bytes
 BROADCAST_BATCH = 8  # broadcasts in one timed call (their latency per call is what is fitted)
 
 
-def seconds_per_call(fn: Callable[[], Any], device: torch.device, seconds: float = 0.25,
-                     group: bool = False, rounds: int = 1) -> float:
-    """Seconds one call of ``fn`` takes: as many calls as make about ``seconds`` after a first
-    (warm-up) call, timed together; with ``rounds`` > 1, that many such batches of calls and the
-    fastest (a busy machine slows some of them). With ``group`` (a process group) every rank
-    does the same number of calls, started together, and the time is until the last is done."""
-    import torch.distributed as dist
-
-    from utils import device as dev
-
-    start = time.perf_counter()
-    fn()
-    dev.synchronize(device)
-    # how many calls make about `seconds`; one, when the first alone took longer (bf16 on a
-    # CPU without bf16 arithmetic: seconds for one large product)
-    runs, slow = 0, time.perf_counter() - start > seconds
-    start = time.perf_counter()
-    while not slow and time.perf_counter() - start < seconds / 5:
-        fn()
-        dev.synchronize(device)
-        runs += 1
-    calls = torch.tensor([max(1, 5 * runs)], device=device)
-    if group:  # the same number on every rank
-        dist.all_reduce(calls, op=dist.ReduceOp.MIN)
-    best = float("inf")
-    for _ in range(rounds):
-        if group:
-            dist.barrier()
-        start = time.perf_counter()
-        for _ in range(int(calls)):
-            fn()
-        dev.synchronize(device)
-        if group:
-            dist.barrier()
-        best = min(best, (time.perf_counter() - start) / int(calls))
-    return best
-
-
 def layer_products(tokens: int, k: int, n: int, dtype: torch.dtype,
                    device: torch.device) -> tuple[Callable[[], Any], int]:
     """A linear layer of ``k`` features to ``n`` over ``tokens`` rows, its three matmuls as a
@@ -255,7 +217,28 @@ def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
     dev.configure_matmul(device)
 
     def timed(fn) -> float:
-        return seconds_per_call(fn, device, seconds, group)
+        start = time.perf_counter()
+        fn()
+        dev.synchronize(device)
+        # how many calls make about `seconds`; one, when the first alone took longer (bf16 on a
+        # CPU without bf16 arithmetic: seconds for one large product)
+        runs, slow = 0, time.perf_counter() - start > seconds
+        start = time.perf_counter()
+        while not slow and time.perf_counter() - start < seconds / 5:
+            fn()
+            dev.synchronize(device)
+            runs += 1
+        calls = torch.tensor([max(1, 5 * runs)], device=device)
+        if group:  # the same number on every rank
+            dist.all_reduce(calls, op=dist.ReduceOp.MIN)
+            dist.barrier()
+        start = time.perf_counter()
+        for _ in range(int(calls)):
+            fn()
+        dev.synchronize(device)
+        if group:
+            dist.barrier()
+        return (time.perf_counter() - start) / int(calls)
 
     from utils import attention
 
