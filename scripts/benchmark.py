@@ -19,14 +19,19 @@ re-implemented) for ``--warmup`` + ``--steps`` steps and reports
 * peak memory: the CUDA allocator's peak, or on CPU the process's peak resident set
   (VmHWM, reset before each rung);
 * model FLOPs per sample (forward + backward, counted by torch.utils.flop_counter) and
-  MFU against the matmul peak of the rung's dtype, measured in this run on this device with
-  the trainer's matmul settings (on CUDA, fp32 matmuls on TF32 tensor cores);
+  MFU against two peaks of the rung's dtype, both measured in this run on this device with
+  the trainer's matmul settings (on CUDA, fp32 matmuls on TF32 tensor cores): one large
+  square matmul, what the hardware can do; and the model's own linear layers at this batch
+  (each distinct M x K x N, forward and the two backward products), what this model can reach
+  here (a CPU's bf16 units reach their peak only on large enough products);
 * the data loader alone (no model) against a plain h5py read of the same samples.
 
 A bare PyTorch loop over the same model and one batch held in memory (no loader, no
 logging, no scheduler), with the rung's precision, Adam kernel, compilation and attention
 kernel, is the reference: it runs right after each rung (the same state of the process and
-the machine), and ``vs bare`` is the rung's samples/s over it. The attention table times
+the machine), and ``vs bare`` is the rung's samples/s over it. A rung whose training loss is
+not finite does not train: it is reported as failed, with the step, and not timed (it stops at
+the end of its warm-up when the loss is already not finite there). The attention table times
 one attention call per kernel and dtype (utils/attention.py). Results go to
 OUT_DIR/benchmark.json and OUT_DIR/benchmark.md.
 """
@@ -37,7 +42,6 @@ import argparse
 import contextlib
 import gc
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -86,7 +90,9 @@ class RungClock(Callback):
     step ``timed_from - 1`` to the end of step ``profile_from - 1`` (device synchronised at both
     edges), and each timed step's wait is the time between the previous step's end and its start
     (the loader's wait for the batch, and the loop's own work between steps); from step
-    ``profile_from`` on, ``phases`` break the steps down."""
+    ``profile_from`` on, ``phases`` break the steps down. It keeps each step's loss (a device
+    scalar, no host sync) and, at the end of the warm-up, stops the rung (NonFiniteLossError) if one
+    is not finite: a rung that does not train is not timed."""
 
     def __init__(self, device: torch.device, timed_from: int, profile_from: int,
                  phases: ProfilerPhases | EventPhases) -> None:
@@ -95,6 +101,7 @@ class RungClock(Callback):
         self.count = 0  # steps done
         self.wait = 0.0  # seconds between steps inside the timed window
         self.t_start = self.t_end = self.last_end = None
+        self.losses: list[torch.Tensor] = []
 
     def begin(self) -> None:
         """Before the first step: the window starts here when nothing is warmed up first."""
@@ -111,14 +118,38 @@ class RungClock(Callback):
 
     def step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
         self.count += 1
+        self.losses.append(loss.detach())
         if self.count in (self.timed_from, self.profile_from):
             dev.synchronize(self.device)
             now = time.perf_counter()
             if self.count == self.timed_from:
-                self.t_start = now
+                self.raise_if_not_finite()  # before the timed window opens
+                self.t_start = time.perf_counter()
             if self.count == self.profile_from:
                 self.t_end = now
         self.last_end = time.perf_counter()
+
+    def first_non_finite(self) -> tuple[int, float] | None:
+        """(step, loss) of the first step whose training loss is not finite (steps counted from
+        1, as the Trainer counts them), or None."""
+        if not self.losses:
+            return None
+        losses = torch.stack(self.losses).float().cpu()  # one host sync
+        bad = torch.nonzero(~torch.isfinite(losses)).flatten()
+        return (int(bad[0]) + 1, float(losses[bad[0]])) if len(bad) else None
+
+    def raise_if_not_finite(self) -> None:
+        bad = self.first_non_finite()
+        if bad is not None:
+            raise NonFiniteLossError(*bad)
+
+
+class NonFiniteLossError(Exception):
+    """A rung's training loss is not finite: it does not train, so its speed means nothing."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"training loss is {loss} at step {step}")
+        self.step, self.loss = step, loss
 
 
 class ProfilerPhases:
@@ -271,6 +302,73 @@ def measure_peaks(device: torch.device, amp: str, n: int) -> dict[str, float]:
     return {mode: matmul_peak(device, DTYPES[mode], n) for mode in ("none", amp)}
 
 
+def linear_shapes(cfg: Config, batch: int,
+                  device: torch.device | None = None) -> dict[tuple[int, int, int], int]:
+    """Every distinct (M, K, N) of the model's linear layers at this batch (M rows: the batch's
+    tokens; K input features; N output features) and how many layers have it. Read from one
+    forward of one sample on ``device`` (a layer's rows grow with the batch); a forward on the
+    meta device would need no arithmetic, but its attention imports sympy: seconds."""
+    device = device or torch.device("cpu")
+    model = build_vit(cfg).to(device)
+    h, w = cfg.img_size
+    shapes: dict[tuple[int, int, int], int] = {}
+
+    def note(layer: torch.nn.Linear, args: tuple[torch.Tensor, ...]) -> None:
+        shape = (batch * args[0].numel() // layer.in_features, layer.in_features, layer.out_features)
+        shapes[shape] = shapes.get(shape, 0) + 1
+
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            layer.register_forward_pre_hook(note)
+    with torch.no_grad():
+        model(torch.zeros(1, cfg.n_in_channels, h, w, device=device))
+    return shapes
+
+
+def fastest_call(fn: Callable[[], Any], device: torch.device, seconds: float, least: int = 3) -> float:
+    """Seconds of the fastest of single calls of ``fn`` over about ``seconds`` (at least ``least``
+    calls, after one to warm up): a peak, taken as matmul_peak takes it; on a busy machine the
+    fastest call is the one that other processes did not slow down."""
+    fn()
+    dev.synchronize(device)
+    best, start, calls = float("inf"), time.perf_counter(), 0
+    while calls < least or time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        fn()
+        dev.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+        calls += 1
+    return best
+
+
+def shape_peak(shapes: dict[tuple[int, int, int], int], device: torch.device, dtype: torch.dtype,
+               seconds: float = 0.25) -> dict[str, Any]:
+    """The FLOP/s of the model's own linear layers on this device: each distinct shape's three
+    products (forward and the two of backward, as scripts/cost_measure.py:layer_products runs a
+    layer), the fastest call in ``dtype``; their FLOPs over their seconds, each shape weighted
+    by the layers that have it, as a step runs them. The ceiling for this model here: a step
+    that ran at its linear layers' speed and did nothing else."""
+    from scripts.cost_measure import layer_products
+
+    rows, flops, seconds_total = [], 0, 0.0
+    for (m, k, n), layers in sorted(shapes.items()):
+        products, shape_flops = layer_products(m, k, n, dtype, device)
+        t = fastest_call(products, device, seconds)
+        rows.append({"m": m, "k": k, "n": n, "layers": layers, "flops": shape_flops, "seconds": t,
+                     "flops_per_sec": shape_flops / t})
+        flops += layers * shape_flops
+        seconds_total += layers * t
+    return {"flops_per_sec": flops / seconds_total, "shapes": rows}
+
+
+def measure_shape_peaks(cfg: Config, batch: int, device: torch.device, amp: str,
+                        seconds: float = 0.25) -> dict[str, dict[str, Any]]:
+    """shape_peak of fp32 ('none') and ``amp`` under the trainer's matmul settings."""
+    dev.configure_matmul(device)
+    shapes = linear_shapes(cfg, batch, device)
+    return {mode: shape_peak(shapes, device, DTYPES[mode], seconds) for mode in ("none", amp)}
+
+
 def dali_available() -> bool:
     from utils.data_loader import DataError
     from utils.data_loader_dali import import_dali
@@ -416,7 +514,10 @@ def step_class(name: str) -> type[EagerStep]:
 
 
 def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
-             peaks: dict[str, float], loader_cache: dict) -> dict[str, Any]:
+             peaks: dict[str, float], loader_cache: dict,
+             shape_peaks: dict[str, float] | None = None) -> dict[str, Any]:
+    """Train one rung and measure it; a rung whose training loss is not finite comes back as
+    ``failed`` (the step and the loss), with no time, rate or MFU."""
     if name == "+graphs":  # its eager warm-up steps, then the capture, come before the timed steps
         from training.graphs import EAGER_WARMUP_STEPS
 
@@ -432,11 +533,19 @@ def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
     t0 = time.perf_counter()
     trainer.model.train()
     timed.begin()
+    settings = {k: getattr(cfg, k) for k in ("data_loader_config", "num_data_workers", "amp_mode",
+                                             "enable_fused", "enable_jit")}
     try:
         while trainer.step < total:
             epoch, start = divmod(trainer.step, trainer.train_data.batches_per_epoch)
             trainer.train_epoch(epoch, start)
         dev.synchronize(opts.device)
+        timed.raise_if_not_finite()
+    except NonFiniteLossError as err:
+        close_rung(trainer, run_dir)
+        return {"name": name, "settings": settings, "failed": str(err), "failed_step": err.step,
+                "failed_loss": err.loss, "steps_run": timed.count,
+                "attention_kernel": trainer.attention_kernel}
     finally:
         clock.stop()
     elapsed = timed.t_end - timed.t_start
@@ -448,14 +557,10 @@ def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
     loader_key = (cfg.data_loader_config, cfg.num_data_workers)
     if loader_key not in loader_cache:
         loader_cache[loader_key] = loader_alone(trainer, opts.loader_batches)
-    close = getattr(trainer.train_data, "close", None)
-    if close:
-        close()
-    shutil.rmtree(run_dir, ignore_errors=True)  # the rung's run folder: nothing in it is kept
+    close_rung(trainer, run_dir)
     return {
         "name": name,
-        "settings": {k: getattr(cfg, k) for k in ("data_loader_config", "num_data_workers", "amp_mode",
-                                                  "enable_fused", "enable_jit")},
+        "settings": settings,
         "samples_per_sec": samples_per_sec,
         "step_ms": step_ms,
         "warmup_seconds": timed.t_start - t0,  # includes compilation on the +compile rungs
@@ -463,10 +568,19 @@ def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
         "peak_memory_bytes": mem,
         "memory_kind": mem_kind,
         "mfu": flops * samples_per_sec / peaks[cfg.amp_mode],
+        **({"mfu_shapes": flops * samples_per_sec / shape_peaks[cfg.amp_mode]} if shape_peaks else {}),
         "loader": loader_cache[loader_key],
         "attention_kernel": trainer.attention_kernel,
         "mean_train_loss": float(trainer.epoch_loss.item() / max(1, trainer.epoch_steps)),
     }
+
+
+def close_rung(trainer: Trainer, run_dir: Path) -> None:
+    """The rung's loader stopped, its run folder removed: nothing of a rung is kept."""
+    close = getattr(trainer.train_data, "close", None)
+    if close:
+        close()
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def attention_table(cfg: Config, batch: int, device: torch.device, amp: str) -> list[dict[str, Any]]:
@@ -489,11 +603,27 @@ def bare_key(cfg: Config) -> BareKey:
     return cfg.amp_mode, cfg.enable_fused, cfg.enable_jit
 
 
-def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[str, float],
-              amp: str, fused: bool, jit: bool) -> dict[str, Any]:
-    """The reference: the same model and one batch from memory, nothing around the step. It
-    runs the attention kernel the trainer chooses for these settings (utils/attention.py)."""
-    device = opts.device
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one rung, each followed by its bare loop (so that load from other processes hits
+    both alike) -> the rung's result: the round of median samples/s (the lower of the two middle
+    ones for an even count), with the bare loop's median rate and ``vs_bare`` the median of the
+    rounds' own ratios; every round's rates under ``rounds``."""
+    if len(rounds) == 1:
+        return rounds[0]
+    rung = dict(sorted(rounds, key=lambda r: r["samples_per_sec"])[(len(rounds) - 1) // 2])
+    keys = ("samples_per_sec", "bare_samples_per_sec", "vs_bare")
+    rung["rounds"] = [{k: r[k] for k in keys if k in r} for r in rounds]
+    if all("vs_bare" in r for r in rounds):
+        rung["bare_samples_per_sec"] = statistics.median(r["bare_samples_per_sec"] for r in rounds)
+        rung["vs_bare"] = statistics.median(r["vs_bare"] for r in rounds)
+    return rung
+
+
+def bare_step(cfg: Config, batch: int, device: torch.device, amp: str, fused: bool,
+              jit: bool) -> tuple[Callable[[], torch.Tensor], str]:
+    """The bare loop's step (it returns the loss), over the same model and one batch held in
+    memory, and the attention kernel it runs: the one the trainer chooses for these settings
+    (utils/attention.py)."""
     torch.manual_seed(cfg.seed)
     model = build_vit(cfg.model).to(device)
     # the Trainer's Adam kernel (fused, else foreach), so the reference differs from it only in
@@ -507,59 +637,67 @@ def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[
     _, kv_len = attention.call_shape(cfg, batch)
     kernel = attention.choose(cfg.attention_kernel, device, DTYPES[amp], kv_len)
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         with dev.autocast(device, amp), attention.kernel(kernel):
             pred = forward(inp)
-        loss_fn(pred.float(), tar).backward()
+        loss = loss_fn(pred.float(), tar)
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
+    return step, kernel
+
+
+def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[str, float],
+              amp: str, fused: bool, jit: bool) -> dict[str, Any]:
+    """The reference: the same model and one batch from memory, nothing around the step."""
+    device = opts.device
+    step, kernel = bare_step(cfg, batch, device, amp, fused, jit)
     for _ in range(opts.warmup):
         step()
     dev.synchronize(device)
     t0 = time.perf_counter()
     for _ in range(opts.steps):
-        step()
+        loss = step()
     dev.synchronize(device)
     rate = opts.steps * batch / (time.perf_counter() - t0)
+    finite = bool(torch.isfinite(loss))  # after the clock: one host sync
     return {"name": f"bare loop ({amp}{', fused' if fused else ''}{', compile' if jit else ''})",
             "settings": {"amp_mode": amp, "enable_fused": fused, "enable_jit": jit},
-            "attention_kernel": kernel, "samples_per_sec": rate, "mfu": flops * rate / peaks[amp]}
+            "attention_kernel": kernel, "samples_per_sec": rate, "mfu": flops * rate / peaks[amp],
+            **({} if finite else {"failed": f"training loss is {float(loss)} at its last step"})}
 
 
 # ------------------------------------------------------------------- output ---
 def markdown(report: dict[str, Any]) -> str:
+    gflops = lambda peaks: ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peaks.items())  # noqa: E731
+    rounds = report["rounds"]
+    alternated = f", {rounds} rounds of each rung and its bare loop alternated (medians)" * (rounds > 1)
     lines = [f"Config `{report['config']}`, batch {report['batch']}, {report['steps']} timed steps "
-             f"after {report['warmup']} warm-up; {report['device_name']}, torch {report['torch']} "
+             f"after {report['warmup']} warm-up{alternated}; {report['device_name']}, "
+             f"torch {report['torch']} "
              f"(1-minute load average at the end: {report['load_average_1min_at_end']:.1f}).",
              f"Model: {report['flops_per_sample'] / 1e9:.2f} GFLOP per sample (forward + backward, "
-             f"FlopCounterMode). Matmul peak measured here: "
-             + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in report["matmul_peak_flops"].items())
-             + "."]
+             f"FlopCounterMode). Matmul peak measured here, GFLOP/s: one large square matmul "
+             f"{gflops(report['matmul_peak_flops'])}; the model's own linear layers (shape peak, "
+             f"below) {gflops(report['shape_peak_flops'])}. MFU is against the large matmul's peak, "
+             f"MFU (shapes) against the shape peak: the most this model can reach here."]
     if report["device"].startswith("cuda"):
         lines.append("On CUDA, forward, backward and optimizer are GPU time between CUDA events at the "
                      "trainer's range edges, and the fp32 peak is measured with TF32 on, as the trainer "
                      "runs fp32 matmuls; +graphs replays its whole step as one graph (its time shows "
                      "under forward).")
     lines += ["",
-             "| rung | samples/s | bare loop | vs bare | step ms | data wait | forward | backward "
-             "| optimizer | peak mem MB | MFU | attention | loader alone / raw h5py | warm-up s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in report["rungs"]:
-        b = r["breakdown_ms"]
-        mem = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r["peak_memory_bytes"] else "n/a"
-        ld = r["loader"]
-        if "graph replay" in b:
-            phases = f"replay {b['graph replay']:.0f} | - | -"
-        else:
-            phases = " | ".join(f"{b.get(k, float('nan')):.0f}" for k in ("forward", "backward", "optimizer"))
-        vs_bare = (f"{r['bare_samples_per_sec']:.2f} | {r['vs_bare']:.2f}x" if "vs_bare" in r
-                   else "- | -")
-        lines.append(
-            f"| {r['name']} | {r['samples_per_sec']:.2f} | {vs_bare} | {r['step_ms']:.0f} "
-            f"| {b['data_wait']:.0f} | {phases} | {mem} | {mfu_text(r['mfu'])} | {r['attention_kernel']} "
-            f"| {ld['samples_per_sec']:.0f} / {ld['raw_h5py_samples_per_sec']:.0f} "
-            f"({100 * ld['ratio_to_raw']:.0f}%) | {r['warmup_seconds']:.1f} |")
+              "| rung | samples/s | bare loop | vs bare | step ms | data wait | forward | backward "
+              "| optimizer | peak mem MB | MFU | MFU (shapes) | attention | loader alone / raw h5py "
+              "| warm-up s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [rung_row(r) for r in report["rungs"]]
+    if report["failed"]:
+        lines += ["", "A rung whose training loss is not finite does not train: it is stopped (at the end "
+                      "of its warm-up, or of its steps), not timed, and left out of the best rung."]
+    lines += shape_table(report)
     if report.get("attention"):
         shape = report["attention_shape"]
         lines += ["", f"One attention call of the model, queries and keys {shape} (batch, heads, "
@@ -570,8 +708,8 @@ def markdown(report: dict[str, Any]) -> str:
             name = f"**{a['kernel']}**" if a["chosen"] else a["kernel"]
             lines.append(f"| {a['dtype']} | {name} | {a['forward_ms']:.2f} | {a['backward_ms']:.2f} "
                          f"| {a['forward_ms'] + a['backward_ms']:.2f} |")
-    if any(r["mfu"] > 1 for r in report["rungs"]):
-        lines += ["", "(\\*) above 100 %: the model's matmuls ran faster than the square matmuls that "
+    if any(max(r.get("mfu", 0), r.get("mfu_shapes", 0)) > 1 for r in report["rungs"]):
+        lines += ["", "(\\*) above 100 %: the model's matmuls ran faster than the matmuls that "
                       "measured the peak. On a CPU without arithmetic for the dtype (bf16 on AVX2) "
                       "torch computes it in generic code whose speed depends on the shape: no peak "
                       "holds, so MFU means nothing there."]
@@ -579,9 +717,44 @@ def markdown(report: dict[str, Any]) -> str:
     if best:
         lines += ["", f"Best rung: {best['name']}, {best['samples_per_sec_vs_bare']:.0%} of the bare loop "
                       f"with the same settings; MFU {mfu_text(best['mfu'])} of the measured "
-                      f"{best['dtype']} matmul peak; its loader alone reaches "
-                      f"{best['loader_ratio_to_raw']:.0%} of the raw h5py read."]
+                      f"{best['dtype']} matmul peak, {mfu_text(best['mfu_shapes'])} of its shape peak; "
+                      f"its loader alone reaches {best['loader_ratio_to_raw']:.0%} of the raw h5py read."]
     return "\n".join(lines) + "\n"
+
+
+def rung_row(r: dict[str, Any]) -> str:
+    """One rung's row of the table; a failed rung says why, with no numbers."""
+    if "failed" in r:
+        return (f"| {r['name']} | **failed**: {r['failed']}, not timed |" + " - |" * 10
+                + f" {r['attention_kernel']} | - | - |")
+    b = r["breakdown_ms"]
+    mem = f"{r['peak_memory_bytes'] / 2**20:.0f}" if r["peak_memory_bytes"] else "n/a"
+    ld = r["loader"]
+    if "graph replay" in b:
+        phases = f"replay {b['graph replay']:.0f} | - | -"
+    else:
+        phases = " | ".join(f"{b.get(k, float('nan')):.0f}" for k in ("forward", "backward", "optimizer"))
+    vs_bare = f"{r['bare_samples_per_sec']:.2f} | {r['vs_bare']:.2f}x" if "vs_bare" in r else "- | -"
+    return (f"| {r['name']} | {r['samples_per_sec']:.2f} | {vs_bare} | {r['step_ms']:.0f} "
+            f"| {b['data_wait']:.0f} | {phases} | {mem} | {mfu_text(r['mfu'])} | {mfu_text(r['mfu_shapes'])} "
+            f"| {r['attention_kernel']} | {ld['samples_per_sec']:.0f} / {ld['raw_h5py_samples_per_sec']:.0f} "
+            f"({100 * ld['ratio_to_raw']:.0f}%) | {r['warmup_seconds']:.1f} |")
+
+
+def shape_table(report: dict[str, Any]) -> list[str]:
+    """GFLOP/s of each of the model's linear-layer shapes per dtype (forward and backward's two
+    products together), and what they make for the whole model."""
+    dtypes = list(report["shape_peak"])
+    lines = ["", "The model's linear layers at this batch (M rows, K in, N out features), their "
+                 "three products (forward, the input's and the weight's gradients) timed per dtype, "
+                 "GFLOP/s:", "",
+             "| M x K x N | layers | " + " | ".join(dtypes) + " |", "|---|---|" + "---|" * len(dtypes)]
+    for i, row in enumerate(report["shape_peak"][dtypes[0]]):
+        rates = " | ".join(f"{report['shape_peak'][d][i]['flops_per_sec'] / 1e9:.0f}" for d in dtypes)
+        lines.append(f"| {row['m']} x {row['k']} x {row['n']} | {row['layers']} | {rates} |")
+    lines.append("| the model (shape peak) | | " + " | ".join(
+        f"{report['shape_peak_flops'][d] / 1e9:.0f}" for d in dtypes) + " |")
+    return lines
 
 
 def mfu_text(mfu: float) -> str:
@@ -617,12 +790,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rungs", default=",".join(RUNG_NAMES), help="comma-separated subset of: "
                    + ", ".join(RUNG_NAMES))
     p.add_argument("--no_bare", action="store_true", help="skip the bare-loop reference")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="train each rung this many times, each followed by its bare loop; report the "
+                   "median (on a shared machine, so that other processes' load hits both alike)")
     p.add_argument("--batch", type=int, help="global batch (default: the config's); smaller for a "
                                              "quick look on a slow machine")
     p.add_argument("--attention_kernel", choices=ATTENTION_KERNELS,
                    help="attention kernel of every rung and bare loop (default: the config's, auto)")
     p.add_argument("--matmul_size", type=int, default=2048,
                    help="matmul peak: best of n/2, n and 2n square matmuls")
+    p.add_argument("--shape_seconds", type=float, default=0.25,
+                   help="about how long each of the model's matmul shapes is timed per dtype "
+                   "(the shape peak)")
     p.add_argument("--out_dir", type=Path, default=Path("logs/benchmark"))
     return p.parse_args(argv)
 
@@ -634,10 +813,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"error: unknown rung(s) {', '.join(sorted(unknown))}; "
                          f"choose from {', '.join(RUNG_NAMES)}")
-    if min(args.steps, args.profile_steps, args.loader_batches) < 1:
-        raise SystemExit("error: --steps, --profile_steps and --loader_batches must be at least 1")
+    if min(args.steps, args.profile_steps, args.loader_batches, args.rounds) < 1:
+        raise SystemExit("error: --steps, --profile_steps, --loader_batches and --rounds must be at least 1")
     if min(args.warmup, args.workers) < 0 or args.matmul_size < 2:
         raise SystemExit("error: --warmup and --workers must be at least 0, --matmul_size at least 2")
+    if not args.shape_seconds > 0:
+        raise SystemExit("error: --shape_seconds must be above 0")
     if "+graphs" in names and args.amp == "fp16" and dev.cuda_available():
         raise SystemExit("error: the +graphs rung needs --amp bf16 (train_graph.py cannot capture "
                          "fp16's GradScaler); drop +graphs from --rungs or use --amp bf16")
@@ -661,6 +842,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     flops = flops_per_sample(base, batch, device)
     peaks = measure_peaks(device, args.amp, args.matmul_size)
+    shape_peaks = measure_shape_peaks(base, batch, device, args.amp, args.shape_seconds)
+    ceilings = {mode: p["flops_per_sec"] for mode, p in shape_peaks.items()}
     kernels = attention_table(base, batch, device, args.amp)
     rungs, bare, loader_cache = [], [], {}
     if "+graphs" in names and device.type != "cuda":
@@ -674,32 +857,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     for i, (name, cfg) in enumerate(configs):
         print(f"rung {i + 1}/{len(configs)} {name} ...", file=sys.stderr, flush=True)
-        rungs.append(run_rung(name, cfg, opts, batch, flops, peaks, loader_cache))
-        if not args.no_bare:  # right after the rung: the same state of the process and machine
-            bare.append(bare_loop(base, batch, opts, flops, peaks, *bare_key(cfg)))
-            rungs[-1]["bare_samples_per_sec"] = bare[-1]["samples_per_sec"]
-            rungs[-1]["vs_bare"] = rungs[-1]["samples_per_sec"] / bare[-1]["samples_per_sec"]
+        rounds = []
+        for _ in range(args.rounds):
+            rung = run_rung(name, cfg, opts, batch, flops, peaks, loader_cache, ceilings)
+            if "failed" in rung:  # it does not train: nothing to compare, nothing to repeat
+                break
+            # right after the rung: the same state of the process and machine
+            if not args.no_bare:
+                bare.append(bare_loop(base, batch, opts, flops, peaks, *bare_key(cfg)))
+                if "failed" not in bare[-1]:
+                    rung["bare_samples_per_sec"] = bare[-1]["samples_per_sec"]
+                    rung["vs_bare"] = rung["samples_per_sec"] / bare[-1]["samples_per_sec"]
+            rounds.append(rung)
+        rung = rung if "failed" in rung else median_round(rounds)
+        rungs.append(rung)
         pace, remaining = (time.perf_counter() - started) / (i + 1), configs[i + 1 :]
         left = f", about {pace * len(remaining):.0f} s left at this pace" if remaining else ""
         if any(c.enable_jit for _, c in remaining):
             left += " (the +compile rungs take longer)"
-        print(f"  {rungs[-1]['samples_per_sec']:.2f} samples/s{left}", file=sys.stderr, flush=True)
+        result = (f"FAILED: {rung['failed']}, not timed" if "failed" in rung
+                  else f"{rung['samples_per_sec']:.2f} samples/s")
+        print(f"  {result}{left}", file=sys.stderr, flush=True)
     report: dict[str, Any] = {
         "config": args.config, "batch": batch, "steps": args.steps, "warmup": args.warmup,
+        "rounds": args.rounds,
         "device": str(device), "device_name": device_name(device), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "flops_per_sample": flops,
         "load_average_1min_at_end": os.getloadavg()[0],  # other work on the machine skews everything
-        "matmul_peak_flops": {("fp32" if k == "none" else k): v for k, v in peaks.items()},
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "matmul_peak_flops": {dtype_name(k): v for k, v in peaks.items()},
+        "shape_peak_flops": {dtype_name(k): v for k, v in ceilings.items()},
+        "shape_peak": {dtype_name(k): v["shapes"] for k, v in shape_peaks.items()},
+        "failed": [{"name": r["name"], "step": r["failed_step"], "loss": r["failed_loss"]}
+                   for r in rungs if "failed" in r],
         "attention": kernels, "attention_shape": list(attention.call_shape(base, batch)[0]),
         "rungs": rungs, "bare": bare,
     }
-    if rungs and not args.no_bare:
-        best = max(rungs, key=lambda r: r["samples_per_sec"])
-        s = best["settings"]
+    trained = [r for r in rungs if "vs_bare" in r]  # not failed, and compared with its bare loop
+    if trained:
+        best = max(trained, key=lambda r: r["samples_per_sec"])
         report["best"] = {
             "name": best["name"], "samples_per_sec": best["samples_per_sec"],
             "samples_per_sec_vs_bare": best["vs_bare"],
-            "mfu": best["mfu"], "dtype": "fp32" if s["amp_mode"] == "none" else s["amp_mode"],
+            "mfu": best["mfu"], "mfu_shapes": best["mfu_shapes"],
+            "dtype": dtype_name(best["settings"]["amp_mode"]),
             "loader_ratio_to_raw": best["loader"]["ratio_to_raw"],
         }
     write_report(args.out_dir, "benchmark", markdown(report), report)
@@ -708,17 +909,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def device_name(device: torch.device) -> str:
+    """The GPU's name; or the CPU's model and widest matrix instructions (AVX2, AVX-512,
+    AVX-512 BF16, AMX: what decides its bf16 speed) and the kernels torch's CPU code uses."""
     if device.type == "cuda":
-        return f"CUDA device {device.index}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"CPU {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+        return f"GPU {dev.gpu_facts(device.index or 0)['name']}"
+    return (f"CPU {dev.cpu_description()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"{os.cpu_count()} cores, {torch.get_num_threads()} threads")
+
+
+def dtype_name(amp_mode: str) -> str:
+    return "fp32" if amp_mode == "none" else amp_mode
 
 
 if __name__ == "__main__":

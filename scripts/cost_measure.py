@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,17 @@ CALIBRATION_SIZES = (2**12, 2**18, 2**20, 2**22)  # payload bytes
 BROADCAST_BATCH = 8  # broadcasts in one timed call (their latency per call is what is fitted)
 
 
+def layer_products(tokens: int, k: int, n: int, dtype: torch.dtype,
+                   device: torch.device) -> tuple[Callable[[], Any], int]:
+    """A linear layer of ``k`` features to ``n`` over ``tokens`` rows, its three matmuls as a
+    training step runs them: forward x (tokens, k) @ w^T, the input's gradient g (tokens, n) @ w,
+    the weight's g^T @ x (transposed operands run at other speeds than a plain product). Returns
+    the call that runs the three and their FLOPs (2 per multiply-add, 2 * tokens * k * n each)."""
+    x, w, g = (torch.randn(*shape, dtype=dtype, device=device)
+               for shape in ((tokens, k), (n, k), (tokens, n)))
+    return (lambda: (x @ w.t(), g @ w, g.t() @ x)), 3 * 2 * tokens * k * n
+
+
 def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
     """This rank's achieved matmul FLOP/s per dtype: "large", a 1024 x 1024 x 1024 product;
     "small", a small model's layer (2048 tokens of 128 features to 384), its three products as a
@@ -235,9 +247,8 @@ def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
         rates = {}
         a, b = (torch.randn(1024, 1024, dtype=dtype, device=device) for _ in range(2))
         rates["large"] = 2 * 1024**3 / timed(lambda a=a, b=b: a @ b)
-        t, k, c = 2048, 128, 384
-        x, w, g = (torch.randn(*shape, dtype=dtype, device=device) for shape in ((t, k), (c, k), (t, c)))
-        rates["small"] = 3 * 2 * t * k * c / timed(lambda x=x, w=w, g=g: (x @ w.t(), g @ w, g.t() @ x))
+        products, flops = layer_products(2048, 128, 384, dtype, device)
+        rates["small"] = flops / timed(products)
         shape = (16, 4, 128, 32)  # (batch, heads, tokens, head dim)
         q, key, v = (torch.randn(shape, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
         grad = torch.randn(shape, dtype=dtype, device=device)

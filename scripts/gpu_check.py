@@ -537,9 +537,12 @@ def run_rung(ctx: Context, name: str) -> dict[str, Any]:
         lines = [ln for ln in log_path.read_text().splitlines() if ln.startswith(f"skipping {name}")]
         return skipped(lines[-1] if lines else "benchmark.py left it out")
     r = bench["rungs"][0]
-    details = {k: r[k] for k in ("samples_per_sec", "mfu", "step_ms", "breakdown_ms", "peak_memory_bytes",
-                                 "warmup_seconds", "settings")}
-    details.update(matmul_peak_flops=bench["matmul_peak_flops"], flops_per_sample=bench["flops_per_sample"])
+    if "failed" in r:  # its training loss is not finite: not timed
+        return failed(f"the rung does not train: {r['failed']}", settings=r["settings"])
+    details = {k: r[k] for k in ("samples_per_sec", "mfu", "mfu_shapes", "step_ms", "breakdown_ms",
+                                 "peak_memory_bytes", "warmup_seconds", "settings")}
+    details.update(matmul_peak_flops=bench["matmul_peak_flops"], shape_peak_flops=bench["shape_peak_flops"],
+                   flops_per_sample=bench["flops_per_sample"])
     if not 0 < r["mfu"] <= 1:
         return failed(f"MFU {r['mfu']:.0%} is outside (0, 100%]: the matmul peak or the FLOP count "
                       f"is wrong", **details)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from training.context import RunContext
 from training.launcher import arg_parser, resolve_config
 from training.trainer import EagerStep, Trainer
 from utils import device as dev
+from utils.config import with_overrides
 from utils.metrics import relative_l2_loss
 from utils.profiling import TRACE_DIR
 
@@ -225,7 +227,9 @@ def test_graph_replay_matches_eager(cfg_factory, tmp_path, amp_mode):
 
 
 # ---------------------------------------------------------------- benchmark ---
-def test_benchmark_smoke_writes_every_field(cfg_factory, tmp_path, capsys):
+def test_benchmark_smoke_writes_every_field(cfg_factory, tmp_path, capsys, monkeypatch):
+    """Every field of every rung; and a rung configured to diverge (+AMP, a learning rate of
+    1e30: its loss is not finite from its second step on) reported as failed, not timed."""
     from ruamel.yaml import YAML
 
     from scripts import benchmark
@@ -234,18 +238,37 @@ def test_benchmark_smoke_writes_every_field(cfg_factory, tmp_path, capsys):
     with open(yaml, "w") as f:
         YAML().dump({"t": cfg_factory().to_dict()}, f)
     rungs = ["baseline", "+workers", "+DALI", "+AMP", "+fused"]  # +compile: see the compile test
+    configs = benchmark.rung_configs
+    monkeypatch.setattr(benchmark, "rung_configs", lambda *args, **kwargs: [
+        (name, with_overrides(cfg, lr=1e30) if name == "+AMP" else cfg)
+        for name, cfg in configs(*args, **kwargs)])
     out = tmp_path / "bench"
     benchmark.main(["--yaml_config", str(yaml), "--config", "t", "--steps", "2", "--warmup", "1",
                     "--profile_steps", "1", "--loader_batches", "2", "--matmul_size", "128", "--workers", "1",
-                    "--rungs", ",".join(rungs), "--out_dir", str(out)])
+                    "--shape_seconds", "0.01", "--rungs", ",".join(rungs), "--out_dir", str(out)])
     report = json.loads((out / "benchmark.json").read_text())
     assert [r["name"] for r in report["rungs"]] == rungs
     assert sorted(p.name for p in out.iterdir()) == ["benchmark.json", "benchmark.md"]  # no rung folders
     progress = capsys.readouterr().err
     assert "rung 1/5 baseline ..." in progress and "s left at this pace" in progress
     assert report["flops_per_sample"] > 0 and set(report["matmul_peak_flops"]) == {"fp32", "bf16"}
+    assert set(report["shape_peak_flops"]) == {"fp32", "bf16"} and all(report["shape_peak_flops"].values())
+    # the diverging rung: failed at the step its loss stopped being finite, no speed, no bare loop
+    failed = report["rungs"].pop(3)
+    assert failed["name"] == "+AMP" and failed["failed_step"] == 2
+    assert not math.isfinite(failed["failed_loss"])
+    assert failed["failed"] == f"training loss is {failed['failed_loss']} at step 2"
+    assert not {"samples_per_sec", "mfu", "mfu_shapes", "vs_bare"} & set(failed)
+    assert [(f["name"], f["step"]) for f in report["failed"]] == [("+AMP", 2)]
+    assert f"FAILED: {failed['failed']}, not timed" in progress
+    assert report["best"]["name"] != "+AMP"
+    rungs.remove("+AMP")
     for r in report["rungs"]:
         assert r["samples_per_sec"] > 0 and r["mfu"] > 0
+        dtype = benchmark.dtype_name(r["settings"]["amp_mode"])  # MFU against either peak of its dtype
+        for key, peaks in (("mfu", "matmul_peak_flops"), ("mfu_shapes", "shape_peak_flops")):
+            rate = report["flops_per_sample"] * r["samples_per_sec"]
+            assert r[key] == pytest.approx(rate / report[peaks][dtype])
         assert {"data_wait", "forward", "backward", "optimizer", "other"} <= set(r["breakdown_ms"])
         assert all(r["breakdown_ms"][k] > 0 for k in ("forward", "backward", "optimizer"))
         assert r["peak_memory_bytes"] > 0
@@ -254,7 +277,7 @@ def test_benchmark_smoke_writes_every_field(cfg_factory, tmp_path, capsys):
         assert len(ratios) == benchmark.LOADER_REPEATS
         assert r["loader"]["ratio_to_raw"] == statistics.median(ratios)
     assert report["rungs"][2]["settings"]["data_loader_config"] == "dali"
-    assert report["rungs"][3]["settings"]["amp_mode"] == "bf16"
+    assert failed["settings"]["amp_mode"] == report["rungs"][3]["settings"]["amp_mode"] == "bf16"
     assert report["bare"][0]["samples_per_sec"] > 0
     # each rung against a bare loop with its own settings, run right after it
     assert len(report["bare"]) == len(rungs)
@@ -266,6 +289,14 @@ def test_benchmark_smoke_writes_every_field(cfg_factory, tmp_path, capsys):
     assert report["best"]["samples_per_sec_vs_bare"] > 0
     table = (out / "benchmark.md").read_text()
     assert all(f"| {name} |" in table for name in rungs)
+    assert f"| +AMP | **failed**: {failed['failed']}, not timed |" in table
+    rows = [line for line in table.splitlines() if line.startswith(("| rung |", "| +AMP |", "| baseline |"))]
+    assert len({row.count("|") for row in rows}) == 1  # the failed rung's row has every column
+    # the header names the CPU's model and matrix instructions, and torch's CPU kernels
+    assert f"CPU {dev.cpu_description()}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}" \
+        in table.splitlines()[0]
+    assert report["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert "| 128 x 32 x 96 | 2 |" in table  # q/k/v of the 2 blocks: 4 samples of 32 tokens, 32 -> 96
 
 
 def test_benchmark_counts_cpu_attention_flops(cfg_factory):
@@ -287,6 +318,82 @@ def test_benchmark_counts_cpu_attention_flops(cfg_factory):
     # 2.5 x that (torch's formula recomputes the scores)
     attention = 3.5 * 2 * 2 * 4 * 32**2 * 8 * cfg.depth
     assert counted - plain.get_total_flops() / BATCH == attention
+
+
+def test_shape_peak_counts_the_flops_of_the_models_linear_layers(cfg_factory, monkeypatch):
+    """The shape peak times every distinct (M, K, N) of the model's linear layers, forward and
+    the two backward products: their FLOPs, weighted by the layers that have each shape, are the
+    FLOPs torch counts in the model's matmuls in a step, and the peak is FLOPs over seconds."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from networks.vit import build_vit
+    from scripts import benchmark, cost_measure
+
+    cfg = cfg_factory()  # 16 x 32 grid, patch 4: 32 tokens of width 32; 2 blocks; 20 x 16 outputs a token
+    shapes = benchmark.linear_shapes(cfg, BATCH)
+    m = BATCH * 32
+    assert shapes == {(m, 32, 96): 2, (m, 32, 32): 2, (m, 32, 128): 2, (m, 128, 32): 2, (m, 32, 320): 1}
+    counter = FlopCounterMode(display=False)
+    inp, tar = fixed_batches(1, cfg)[0]
+    with counter:
+        relative_l2_loss(build_vit(cfg)(inp), tar).backward()
+    counted = counter.get_flop_counts()["Global"]
+    matmuls = sum(n for op, n in counted.items() if str(op) in ("aten.mm", "aten.addmm", "aten.bmm"))
+    assert sum(layers * 6 * m_ * k * n for (m_, k, n), layers in shapes.items()) == matmuls
+    for (m_, k, n) in shapes:  # what is timed for a shape is its three products, nothing more
+        call, flops = cost_measure.layer_products(m_, k, n, torch.float32, torch.device("cpu"))
+        with FlopCounterMode(display=False) as one:
+            call()
+        assert flops == one.get_total_flops() == 6 * m_ * k * n
+    # the peak: the step's linear FLOPs over their seconds (times faked: a shape takes K ms)
+    monkeypatch.setattr(benchmark, "fastest_call", lambda fn, device, seconds: 1e-3 * seconds_k.pop(0))
+    seconds_k = [k for (_, k, _) in sorted(shapes)]
+    peak = benchmark.shape_peak(shapes, torch.device("cpu"), torch.float32)
+    flops = sum(layers * 6 * m_ * k * n for (m_, k, n), layers in shapes.items())
+    assert peak["flops_per_sec"] == pytest.approx(flops / sum(layers * 1e-3 * k for (_, k, _), layers
+                                                                in shapes.items()))
+    assert [(r["m"], r["k"], r["n"], r["layers"]) for r in peak["shapes"]] == \
+        [(*shape, layers) for shape, layers in sorted(shapes.items())]
+    assert all(r["flops_per_sec"] == r["flops"] / r["seconds"] for r in peak["shapes"])
+
+
+def test_a_rung_whose_loss_is_not_finite_stops_before_it_is_timed():
+    from scripts.benchmark import NonFiniteLossError, ProfilerPhases, RungClock
+
+    clock = RungClock(torch.device("cpu"), timed_from=2, profile_from=5, phases=ProfilerPhases())
+    clock.begin()
+    clock.step_end(None, torch.tensor(1.0))  # two warm-up steps, the second not finite
+    with pytest.raises(NonFiniteLossError, match="training loss is inf at step 2"):
+        clock.step_end(None, torch.tensor(float("inf")))
+    assert clock.t_start is None  # the timed window never opened
+    # the first step that is not finite is the one named, whatever comes after it
+    for loss in (float("nan"), 3.0):
+        clock.step_end(None, torch.tensor(loss))
+    assert clock.first_non_finite() == (2, float("inf"))
+    fine = RungClock(torch.device("cpu"), timed_from=1, profile_from=2, phases=ProfilerPhases())
+    fine.begin()
+    fine.step_end(None, torch.tensor(0.5))
+    assert fine.t_start is not None and fine.first_non_finite() is None
+
+
+def test_rounds_of_a_rung_report_the_median_round_and_the_median_ratio():
+    """--rounds N: each round of a rung is followed by its bare loop; on a busy machine one round
+    can be slow on either side, so the rung reports its median round and the median of the
+    rounds' own ratios (not the ratio of two medians from different rounds)."""
+    from scripts.benchmark import median_round
+
+    def round_(rate: float, bare: float) -> dict:
+        return {"samples_per_sec": rate, "bare_samples_per_sec": bare, "vs_bare": rate / bare,
+                "step_ms": 1000 / rate}
+
+    rounds = [round_(10.0, 10.0), round_(6.0, 12.0), round_(9.0, 9.5)]
+    rung = median_round(rounds)
+    assert rung["samples_per_sec"] == 9.0 and rung["step_ms"] == 1000 / 9.0  # the median round, whole
+    assert rung["bare_samples_per_sec"] == 10.0  # the bare loops' median
+    assert rung["vs_bare"] == 9.0 / 9.5  # ratios 1.0, 0.5, 0.947: their median
+    assert [r["samples_per_sec"] for r in rung["rounds"]] == [10.0, 6.0, 9.0]
+    assert median_round(rounds[:1]) is rounds[0]
+    assert median_round(rounds[:2])["samples_per_sec"] == 6.0  # even: the lower middle round
 
 
 def test_benchmark_measures_peaks_under_the_trainer_matmul_settings(monkeypatch):
@@ -440,6 +547,8 @@ def test_dali_missing_is_one_clean_error(cfg_factory, monkeypatch):
     (["--config", "smal"], "error: unknown config 'smal'"),
     (["--matmul_size", "1"], "error: --warmup and --workers must be at least 0, --matmul_size at least 2"),
     (["--rungs", "+turbo"], r"error: unknown rung\(s\) \+turbo"),
+    (["--rounds", "0"], "error: --steps, --profile_steps, --loader_batches and --rounds must be at least 1"),
+    (["--shape_seconds", "0"], "error: --shape_seconds must be above 0"),
 ])
 def test_benchmark_bad_options_are_one_line_errors(argv, message):
     from scripts.benchmark import main as benchmark_main

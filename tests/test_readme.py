@@ -327,7 +327,7 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
     "benchmark.py": lambda runner: [  # one rung, one step of batch 2 (the full ladder: test_ladder.py)
         "--data_dir", str(runner.data_for("small")), "--rungs", "baseline", "--steps", "1", "--batch", "2",
         "--warmup", "0", "--profile_steps", "1", "--loader_batches", "1", "--matmul_size", "64",
-        "--no_bare", "--out_dir", str(runner.tmp / "logs" / "benchmark")],
+        "--shape_seconds", "0.01", "--no_bare", "--out_dir", str(runner.tmp / "logs" / "benchmark")],
 }
 
 
