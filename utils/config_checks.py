@@ -287,6 +287,8 @@ def _check_pipeline(cfg: Config) -> None:
                 if stages > pp else f"pipeline_parallel {pp} stages")
         raise ValueError(f"{what} for {cfg.depth} transformer blocks: every stage needs at least one "
                          f"block; use fewer stages (or a deeper model)")
+    if cfg.pipeline_schedule == "async_1f1b":
+        _check_async_pipeline(cfg)
     if cfg.pipeline_schedule == "1f1b" and m < pp:
         raise ValueError(f"the 1f1b schedule needs at least as many micro-batches as stages "
                          f"(num_microbatches {m} < pipeline_parallel {pp}); use --num_microbatches {pp} "
@@ -302,6 +304,31 @@ def _check_pipeline(cfg: Config) -> None:
         raise ValueError("the zero_bubble schedule splits each backward into its input and weight "
                          "parts, which torch.compile'd blocks do not allow; use --no-enable_jit or "
                          "another schedule")
+
+
+def _check_async_pipeline(cfg: Config) -> None:
+    """What the asynchronous schedule (distributed/async_pipeline.py) does not run: each stage
+    recomputes its forward in backward (so no dropout, whose masks would differ, and no compile
+    or checkpointing of its own), and updates at its own time (so no norm over the whole model)."""
+    pp, m = cfg.pipeline_parallel, cfg.num_microbatches
+    refused = [(cfg.dropout > 0, f"--dropout {cfg.dropout} (each stage recomputes its forward in "
+                                 f"backward, with other dropout masks); use --dropout 0"),
+               (cfg.grad_clip_norm > 0, "--grad_clip_norm (the stages update at different times: there "
+                                        "is no whole-model gradient to clip); use --grad_clip_norm 0"),
+               (cfg.enable_jit, "--enable_jit (the stages run with swapped weight versions); use "
+                                "--no-enable_jit"),
+               (cfg.activation_checkpointing != "none", "--activation_checkpointing (each stage already "
+                                                        "recomputes its forward); use "
+                                                        "--activation_checkpointing none"),
+               (cfg.tensor_parallel > 1, "--tensor_parallel (its stages are whole layers here); use "
+                                         "--tensor_parallel 1")]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"the async_1f1b schedule does not run {what}")
+    if cfg.weight_stashing == "2bw" and m < pp - 1:
+        raise ValueError(f"--weight_stashing 2bw keeps two weight versions only with at least "
+                         f"pipeline_parallel - 1 micro-batches per step (num_microbatches {m} < {pp - 1}); "
+                         f"use --num_microbatches {pp - 1} or more")
 
 
 def _check_profiling(cfg: Config) -> None:

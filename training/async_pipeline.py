@@ -1,0 +1,85 @@
+"""The step with an asynchronous pipeline (``--pipeline_schedule async_1f1b`` in train_mp.py).
+
+What changes against training/pipelined.py's flushed pipeline:
+
+- a training step pushes the step's micro-batches into a pipeline that is never emptied
+  (distributed/async_pipeline.py): each stage runs the backwards of micro-batches that entered
+  earlier and steps the optimizer as soon as a step's gradient is complete on it, with the
+  weights ``--weight_stashing`` names. The learning-rate schedule still advances once per
+  training step;
+- a checkpoint first drains the pipeline (every micro-batch in flight through its backward and
+  update), then is written as a flushed pipeline's: consolidated, in the serial model's names.
+  A resumed run starts with an empty pipeline, as the run it continues did after the drain, so
+  it continues exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from distributed import async_pipeline
+from distributed.parallelize import parallelize, serial_values
+from networks.vit import build_vit, count_parameters
+from training.context import RunContext
+from training.pipelined import PipelineState, PipelineStep
+from utils import device as dev
+from utils.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class AsyncPipelineState(PipelineState):
+    """A flushed pipeline's checkpoint, written after the drain."""
+
+    def state_dict(self) -> dict[str, Any]:
+        self.trainer.model.drain()
+        return super().state_dict()
+
+
+class AsyncPipelineStep(PipelineStep):
+    state_class = AsyncPipelineState
+
+    @classmethod
+    def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
+        super().check(cfg, ctx, local_batch)
+        if ctx.mesh.dp_size > 1:
+            raise ValueError(f"the async_1f1b schedule runs one pipeline here, not {ctx.mesh.dp_size} side "
+                             f"by side; start as many ranks as --pipeline_parallel {cfg.pipeline_parallel}")
+
+    def build_model(self) -> async_pipeline.AsyncPipeline:
+        t = self.trainer
+        with torch.device("meta"):  # each stage allocates only itself
+            serial = build_vit(t.cfg)
+        t.n_params = count_parameters(serial)
+        self.serial_names = [name for name, _ in serial.named_parameters()]
+        values = serial_values(serial, t.cfg.seed)
+        model = async_pipeline.build(serial, t.ctx.mesh, t.cfg, t.device,
+                                     lambda stage: parallelize(stage, t.ctx.mesh, t.cfg, t.device, values),
+                                     self.micro_batch_loss)
+        model.update = self.stage_update
+        engine = model.engine
+        log.info("asynchronous 1F1B, weight_stashing %s: stage %d keeps %d micro-batch(es) in flight "
+                 "beyond the newest", t.cfg.weight_stashing, engine.stage, engine.depth)
+        return model
+
+    def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        t = self.trainer
+        with dev.nvtx_range("asynchronous pipeline"), self.compute():
+            loss = t.model.step(inp, tar)  # the stage's updates happen inside (stage_update)
+        with warnings.catch_warnings():  # the schedule follows the training steps, which the first
+            # stages' warm-up takes before their first update: torch's warning is for a mistake
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            t.scheduler.step()
+        return loss
+
+    def stage_update(self) -> None:
+        """The stage's optimizer step, when a step's gradient is complete on it."""
+        t = self.trainer
+        t.mark("optimizer step")
+        with dev.nvtx_range("optimizer"):
+            t.optimizer.step()
+            t.optimizer.zero_grad(set_to_none=True)
