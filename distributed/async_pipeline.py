@@ -90,7 +90,7 @@ class PeerLinks:
 
     def recv_activation(self, shape: tuple[int, ...]) -> torch.Tensor:
         x = torch.empty(shape, device=self.device)
-        dist.recv(x, src=self.prev, group=self.group, tag=self.ACTIVATION)
+        dist.irecv(x, src=self.prev, group=self.group, tag=self.ACTIVATION).wait()
         return x
 
     def send_gradient(self, grad: torch.Tensor) -> None:
@@ -98,7 +98,7 @@ class PeerLinks:
 
     def recv_gradient(self, shape: tuple[int, ...]) -> torch.Tensor:
         grad = torch.empty(shape, device=self.device)
-        dist.recv(grad, src=self.next, group=self.group, tag=self.GRADIENT)
+        dist.irecv(grad, src=self.next, group=self.group, tag=self.GRADIENT).wait()
         return grad
 
     def _send(self, t: torch.Tensor, dst: int | None, tag: int) -> None:
@@ -249,12 +249,14 @@ class StageEngine:
             with torch.enable_grad():
                 x = f.inp.requires_grad_(not self.first)
                 out = self.run(leaves, x)
-        wanted = ([] if self.first else [x]) + list(leaves.values())
-        grads = list(torch.autograd.grad(out, wanted, grad_out))
+        # the gradients of the stage's input and of the weights it ran with, into their .grad:
+        # the parameters' own when they were the version, else the stashed copies'
+        torch.autograd.backward(out, grad_out, inputs=([] if self.first else [x]) + list(leaves.values()))
         if not self.first:
-            self.links.send_gradient(grads.pop(0))
-        for p, g in zip(self.params.values(), grads):
-            p.grad = g if p.grad is None else p.grad.add_(g)
+            self.links.send_gradient(x.grad)
+        if leaves is not self.params:
+            for p, w in zip(self.params.values(), leaves.values()):
+                p.grad = w.grad if p.grad is None else p.grad.add_(w.grad)
         self.forget()  # this micro-batch's version may be needed no longer
         if f.last_of_step:
             self.apply_update()
@@ -262,10 +264,10 @@ class StageEngine:
 
     def _leaves(self, version: int) -> Weights:
         """Weights autograd can differentiate: the parameters themselves when they are the version,
-        else the stashed copies as new leaves (sharing their memory)."""
+        else the stashed copies as new parameters (sharing their memory)."""
         if version == self.version:
             return self.params
-        return {n: w.detach().requires_grad_() for n, w in self.stash[version].items()}
+        return {n: nn.Parameter(w) for n, w in self.stash[version].items()}
 
     def _record(self, kind: str, number: int, start: float) -> None:
         if self.events is not None:

@@ -76,6 +76,12 @@ class AsyncPipelineStep(PipelineStep):
             t.scheduler.step()
         return loss
 
+    def held_bytes(self) -> dict[str, int]:
+        """What EagerStep counts, and the older weight versions: the most the stage held at once."""
+        held = super().held_bytes()
+        held["weight_versions"] = (self.trainer.model.engine.most_versions - 1) * held["parameters"]
+        return held
+
     def stage_update(self) -> None:
         """The stage's optimizer step, when a step's gradient is complete on it."""
         t = self.trainer
