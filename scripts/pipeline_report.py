@@ -29,7 +29,8 @@ sys.path.insert(0, str(REPO))
 from scripts.workers import run_worker, worker_env  # noqa: E402
 from utils.config_checks import INTERLEAVED  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # the flushed ones, by default
+ASYNC = "async_1f1b"  # distributed/async_pipeline.py: no flush (scripts/async_report.py draws it)
 RECORD_FILE = "pipeline_rank{rank}.json"
 MIB = 2**20
 
@@ -86,9 +87,12 @@ def worker(argv: list[str]) -> int:
 def bubble_on_paper(schedule: str, p: int, m: int, v: int) -> float | None:
     """Idle fraction of a flushed pipeline: (p - 1) / (m + p - 1); interleaving fills it v times
     faster, (p - 1) / (v m + p - 1). Zero-bubble schedules fill it with weight gradients: how
-    much is left depends on the ratio of the backward's parts (no one formula)."""
+    much is left depends on the ratio of the backward's parts (no one formula). The asynchronous
+    schedule fills the pipeline once per run and never drains it: none."""
     if schedule == "zero_bubble":
         return None
+    if schedule == ASYNC:
+        return 0.0
     v = v if schedule in INTERLEAVED else 1
     return (p - 1) / (v * m + p - 1)
 
@@ -167,7 +171,7 @@ def driver(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="tiny_deep")
     p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
-    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=(*SCHEDULES, ASYNC))
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline sizes (ranks)")
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--stages_per_rank", type=int, default=2, help="interleaved_1f1b's stages per rank")
