@@ -73,9 +73,11 @@ class Flight:
 
 class PeerLinks:
     """Messages between neighbouring stages of the pipeline's process group: activations forward,
-    their gradients back. Sends do not wait (``isend``): a stage waiting for its own send to be
-    received could wait for a neighbour that waits for it. :meth:`flush` waits for every send (at
-    a drain)."""
+    their gradients back. A stage sends its forward's output and receives the gradient of the
+    backward that follows in one exchange: its neighbour sent that gradient before it receives
+    this activation, and on NCCL, where a pair of ranks shares one stream, a send posted alone
+    before the other direction's receive would wait for it forever. Other sends do not wait
+    (``isend``); :meth:`flush` waits for them (at a drain)."""
 
     ACTIVATION, GRADIENT = 1, 2  # message tags (validation's forward uses 0)
 
@@ -85,8 +87,23 @@ class PeerLinks:
         self.next = peers[pp_rank + 1] if pp_rank < len(peers) - 1 else None
         self.pending: list[Any] = []
 
-    def send_activation(self, x: torch.Tensor) -> None:
-        self._send(x.float().contiguous(), self.next, self.ACTIVATION)  # fp32 whatever the compute dtype
+    def exchange(self, out: torch.Tensor | None, shape: tuple[int, ...] | None) -> torch.Tensor | None:
+        """Send ``out`` (if any: not on the last stage) to the next stage, and receive from it a
+        gradient of ``shape`` (if any: when a backward follows), together."""
+        ops = [] if out is None else [
+            dist.P2POp(dist.isend, out.float().contiguous(), self.next, self.group, self.ACTIVATION)]  # fp32
+        grad = None if shape is None else torch.empty(shape, device=self.device)
+        if grad is not None:
+            ops.append(dist.P2POp(dist.irecv, grad, self.next, self.group, self.GRADIENT))
+        if not ops:
+            return None
+        works = dist.batch_isend_irecv(ops)
+        if grad is None:
+            self.pending += works
+        else:
+            for work in works:
+                work.wait()
+        return grad
 
     def recv_activation(self, shape: tuple[int, ...]) -> torch.Tensor:
         x = torch.empty(shape, device=self.device)
@@ -94,16 +111,9 @@ class PeerLinks:
         return x
 
     def send_gradient(self, grad: torch.Tensor) -> None:
-        self._send(grad.float().contiguous(), self.prev, self.GRADIENT)
-
-    def recv_gradient(self, shape: tuple[int, ...]) -> torch.Tensor:
-        grad = torch.empty(shape, device=self.device)
-        dist.irecv(grad, src=self.next, group=self.group, tag=self.GRADIENT).wait()
-        return grad
-
-    def _send(self, t: torch.Tensor, dst: int | None, tag: int) -> None:
         self.pending = [w for w in self.pending if not w.is_completed()]
-        self.pending.append(dist.isend(t, dst, group=self.group, tag=tag))
+        self.pending.append(dist.isend(grad.float().contiguous(), self.prev, group=self.group,
+                                       tag=self.GRADIENT))
 
     def flush(self) -> None:
         for work in self.pending:
@@ -154,16 +164,18 @@ class StageEngine:
                     m: int) -> torch.Tensor | None:
         """Micro-batch j of m of this step: its forward, then the oldest one's backward once more
         than ``depth`` are in flight; its loss on the last stage."""
-        loss = self.forward(x, target, last_of_step=j == m - 1)
-        if len(self.flights) > self.depth:
-            self.backward()
+        loss, out = self.forward(x, target, last_of_step=j == m - 1)
+        backward = len(self.flights) > self.depth
+        grad = self.links.exchange(out, self.shape if backward and not self.last else None)
+        if backward:
+            self.backward(grad)
         return loss
 
     def drain(self) -> None:
         """The backward (and update) of every micro-batch in flight: afterwards every stage holds
         one version, all updates applied, and the next micro-batch starts a new warm-up."""
         while self.flights:
-            self.backward()
+            self.backward(None if self.last else self.links.exchange(None, self.shape))
         self.links.flush()
         self.stash.clear()
         self.start = (self.number, self.version)
@@ -213,13 +225,16 @@ class StageEngine:
         return functional_call(self.module, weights, (x,))
 
     def forward(self, x: torch.Tensor | None, target: torch.Tensor | None,
-                last_of_step: bool) -> torch.Tensor | None:
+                last_of_step: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The micro-batch's forward at the weights the mode names: (its loss on the last stage,
+        else None; its output for the next stage, else None)."""
         start = time.perf_counter()
         # the first stage's own copy: the data loader reuses the batch's memory after the step
         x = x.detach().clone() if self.first else self.links.recv_activation(self.shape)
         version = self.version_of(self.number) if self.mode in ("vertical", "2bw") else self.version
         flight = Flight(self.number, version, last_of_step, x)
         self.number += 1
+        out = None
         if self.last:  # the backward follows at once: keep the graph (no update in between)
             flight.leaves = self._leaves(version)
             with torch.enable_grad():
@@ -228,14 +243,15 @@ class StageEngine:
         else:
             with torch.no_grad():
                 out = self.run(self.weights(version), x)
-            self.links.send_activation(out)
         self.flights.append(flight)
         self.forget()
         self._count()
         self._record("F", flight.number, start)
-        return None if flight.loss is None else flight.loss.detach()
+        return (None if flight.loss is None else flight.loss.detach()), out
 
-    def backward(self) -> None:
+    def backward(self, grad_out: torch.Tensor | None) -> None:
+        """The oldest micro-batch's backward, given the gradient of its output (None on the last
+        stage), at the weights the mode names; the update when it completes a step's gradient."""
         start = time.perf_counter()
         f = self.flights.popleft()
         # each micro-batch's loss is its mean: dividing by their number makes the step's gradient
@@ -245,7 +261,6 @@ class StageEngine:
         else:
             version = self.version if self.mode == "none" else f.version
             leaves = self._leaves(version)
-            grad_out = self.links.recv_gradient(self.shape)
             with torch.enable_grad():
                 x = f.inp.requires_grad_(not self.first)
                 out = self.run(leaves, x)

@@ -45,17 +45,16 @@ class QueueLinks:
     def __init__(self, queues: dict, stage: int) -> None:
         self.queues, self.stage = queues, stage
 
-    def send_activation(self, x):
-        self.queues["F", self.stage + 1].append(x.detach().clone())
+    def exchange(self, out, shape):
+        if out is not None:
+            self.queues["F", self.stage + 1].append(out.detach().clone())
+        return None if shape is None else self.queues["B", self.stage].popleft()
 
     def recv_activation(self, shape):
         return self.queues["F", self.stage].popleft()
 
     def send_gradient(self, grad):
         self.queues["B", self.stage - 1].append(grad.detach().clone())
-
-    def recv_gradient(self, shape):
-        return self.queues["B", self.stage].popleft()
 
     def flush(self):
         pass
