@@ -171,54 +171,6 @@ class StageEngine:
             self.backward(grad)
         return loss
 
-    def drain(self) -> None:
-        """The backward (and update) of every micro-batch in flight: afterwards every stage holds
-        one version, all updates applied, and the next micro-batch starts a new warm-up."""
-        while self.flights:
-            self.backward(None if self.last else self.links.exchange(None, self.shape))
-        self.links.flush()
-        self.stash.clear()
-        self.start = (self.number, self.version)
-
-    # ------------------------------------------------------------------ weights ---
-    def version_of(self, number: int) -> int:
-        """The first stage's weight version when micro-batch ``number`` enters it (vertical sync,
-        2BW). The first stage keeps p - 1 micro-batches in flight beyond the newest, so micro-batch
-        j (counted from where the pipeline started empty) enters after the backward of j - p, that
-        is after the updates of the steps whose last micro-batch is j - p or earlier. 2BW takes the
-        version at its step's first micro-batch."""
-        j, m = number - self.start[0], self.microbatches
-        if self.mode == "2bw":
-            j -= j % m
-        return self.start[1] + max(0, (j - self.n_stages + 1) // m)
-
-    def weights(self, version: int) -> Weights:
-        return self.params if version == self.version else self.stash[version]
-
-    def needed(self, version: int) -> bool:
-        """Whether a forward or backward still to run uses this version of the weights."""
-        if self.mode == "none":  # every forward and backward uses the newest
-            return False
-        if any(f.version == version for f in self.flights):
-            return True
-        # vertical sync and 2BW: what comes next uses the first stage's version for it, or a newer one
-        return self.mode in ("vertical", "2bw") and version >= self.version_of(self.number)
-
-    def apply_update(self) -> None:
-        """The optimizer's step; the newest weights are copied first if anything still needs them."""
-        if self.needed(self.version):
-            self.stash[self.version] = {n: p.detach().clone() for n, p in self.params.items()}
-        self.update()
-        self.version += 1
-        self._count()
-
-    def forget(self) -> None:
-        for version in [v for v in self.stash if not self.needed(v)]:
-            del self.stash[version]
-
-    def _count(self) -> None:
-        self.most_versions = max(self.most_versions, 1 + len(self.stash))
-
     # --------------------------------------------------------- forward, backward ---
     def run(self, weights: Weights, x: torch.Tensor) -> torch.Tensor:
         """The stage's forward with these weights in place of its own (same module, same code)."""
@@ -228,9 +180,9 @@ class StageEngine:
                 last_of_step: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The micro-batch's forward at the weights the mode names: (its loss on the last stage,
         else None; its output for the next stage, else None)."""
-        start = time.perf_counter()
         # the first stage's own copy: the data loader reuses the batch's memory after the step
         x = x.detach().clone() if self.first else self.links.recv_activation(self.shape)
+        start = time.perf_counter()  # (waiting for the activation is not the forward's work)
         version = self.version_of(self.number) if self.mode in ("vertical", "2bw") else self.version
         flight = Flight(self.number, version, last_of_step, x)
         self.number += 1
@@ -283,6 +235,54 @@ class StageEngine:
         if version == self.version:
             return self.params
         return {n: nn.Parameter(w) for n, w in self.stash[version].items()}
+
+    def drain(self) -> None:
+        """The backward (and update) of every micro-batch in flight: afterwards every stage holds
+        one version, all updates applied, and the next micro-batch starts a new warm-up."""
+        while self.flights:
+            self.backward(None if self.last else self.links.exchange(None, self.shape))
+        self.links.flush()
+        self.stash.clear()
+        self.start = (self.number, self.version)
+
+    # ------------------------------------------------------------------ weights ---
+    def version_of(self, number: int) -> int:
+        """The first stage's weight version when micro-batch ``number`` enters it (vertical sync,
+        2BW). The first stage keeps p - 1 micro-batches in flight beyond the newest, so micro-batch
+        j (counted from where the pipeline started empty) enters after the backward of j - p, that
+        is after the updates of the steps whose last micro-batch is j - p or earlier. 2BW takes the
+        version at its step's first micro-batch."""
+        j, m = number - self.start[0], self.microbatches
+        if self.mode == "2bw":
+            j -= j % m
+        return self.start[1] + max(0, (j - self.n_stages + 1) // m)
+
+    def weights(self, version: int) -> Weights:
+        return self.params if version == self.version else self.stash[version]
+
+    def needed(self, version: int) -> bool:
+        """Whether a forward or backward still to run uses this version of the weights."""
+        if self.mode == "none":  # every forward and backward uses the newest
+            return False
+        if any(f.version == version for f in self.flights):
+            return True
+        # vertical sync and 2BW: what comes next uses the first stage's version for it, or a newer one
+        return self.mode in ("vertical", "2bw") and version >= self.version_of(self.number)
+
+    def apply_update(self) -> None:
+        """The optimizer's step; the newest weights are copied first if anything still needs them."""
+        if self.needed(self.version):
+            self.stash[self.version] = {n: p.detach().clone() for n, p in self.params.items()}
+        self.update()
+        self.version += 1
+        self._count()
+
+    def forget(self) -> None:
+        for version in [v for v in self.stash if not self.needed(v)]:
+            del self.stash[version]
+
+    def _count(self) -> None:
+        self.most_versions = max(self.most_versions, 1 + len(self.stash))
 
     def _record(self, kind: str, number: int, start: float) -> None:
         if self.events is not None:

@@ -34,8 +34,11 @@ from scripts.instruments import read_metrics, write_report  # noqa: E402
 from scripts.workers import worker_env  # noqa: E402
 
 PARTS = ("timeline", "pipeline", "staleness", "straggler")
-PIPELINE_MODES = (("1f1b", None), ("async_1f1b", "stash"), ("async_1f1b", "2bw"), ("async_1f1b", "vertical"),
-                  ("async_1f1b", "none"))
+# (schedule, weight_stashing, micro-batches per step: 0 for --microbatches): each mode in its paper's
+# setting. PipeDream's modes update once per micro-batch; 2BW needs p - 1 or more per step; the rules
+# of the flushed schedule and of 2BW do not depend on the number
+PIPELINE_MODES = (("1f1b", None, 0), ("async_1f1b", "stash", 1), ("async_1f1b", "vertical", 1),
+                  ("async_1f1b", "none", 1), ("async_1f1b", "2bw", 0))
 
 
 def launch(ranks: int, script: str, flags: list[str]) -> None:
@@ -70,17 +73,19 @@ def timeline(args: argparse.Namespace) -> list[dict[str, Any]]:
 def pipeline(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for lr in args.lrs:
-        for schedule, mode in PIPELINE_MODES:
-            name = f"{schedule}_{mode or 'flush'}_lr{lr:g}"
+        for schedule, mode, m in PIPELINE_MODES:
+            m = m or args.microbatches
+            name = f"{schedule}_{mode or 'flush'}_m{m}_lr{lr:g}"
             print(f"  {name}", flush=True)
             flags = common(args) + [
                 f"--run_num={name}", f"--num_iters={args.pipeline_steps}", f"--lr={lr}",
                 f"--global_batch_size={args.batch}", f"--pipeline_parallel={args.stages}",
-                f"--pipeline_schedule={schedule}", f"--num_microbatches={args.microbatches}"]
+                f"--pipeline_schedule={schedule}", f"--num_microbatches={m}"]
             launch(args.stages, "train_mp.py", flags + ([f"--weight_stashing={mode}"] if mode else []))
             last = read_metrics(next((args.out / "runs" / args.config).glob(f"*/{name}")))[-1]
-            rows.append({"schedule": schedule, "weight_stashing": mode, "lr": lr, "steps": last["step"],
-                         "val_loss": last["val_loss"], "samples_per_sec": last["samples_per_sec"]})
+            rows.append({"schedule": schedule, "weight_stashing": mode, "microbatches": m, "lr": lr,
+                         "steps": last["step"], "val_loss": last["val_loss"],
+                         "samples_per_sec": last["samples_per_sec"]})
     return rows
 
 
@@ -113,8 +118,13 @@ def straggler(args: argparse.Namespace) -> list[dict[str, Any]]:
                      f"--slow_rank={slowed}", f"--slow_ms={slow_ms}"]
             flags += ["--workers=2"] if mode == "hogwild" else []
             folder, logged = sgd_run(args, ranks, name, flags)
-            row = {"mode": mode, "slow_ms": slow_ms, "updates": logged[-1]["step"],
-                   "samples_per_sec": logged[-1]["run_samples_per_sec"], "val_loss": logged[-1]["val_loss"]}
+            last = logged[-1]
+            others = [n for w, n in last["updates_by_worker"].items() if int(w) != slowed]
+            row = {"mode": mode, "slow_ms": slow_ms, "updates": last["step"],
+                   "samples_per_sec": last["run_samples_per_sec"], "val_loss": last["val_loss"],
+                   # DDP: every rank takes every step; the others: what the workers not slowed made
+                   "other_updates_per_sec": (last["step"] if mode == "ddp" else sum(others) / len(others))
+                   / last["run_seconds"]}
             if mode == "server":  # who made the updates, and how stale they were
                 log = [u for u in json.loads((folder / "updates.json").read_text()) if u[3]]
                 row["slowed_share"] = sum(u[0] == slowed for u in log) / len(log)
@@ -138,14 +148,15 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
                 f"| {r['bubble_on_paper']:.2f} | {r['bubble_measured']:.2f} |" for r in result["timeline"]]
     if "pipeline" in result:
         lrs = sorted({r["lr"] for r in result["pipeline"]})
-        out += ["", f"Validation loss after {args.pipeline_steps} steps, {args.stages} stages, "
-                    f"{args.microbatches} micro-batches:", "",
-                "| schedule | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
-        for schedule, mode in PIPELINE_MODES:
-            loss = {(r["lr"], r["schedule"], r["weight_stashing"]): r["val_loss"] for r in result["pipeline"]}
+        out += ["", f"Validation loss after {args.pipeline_steps} steps, {args.stages} stages:", "",
+                "| schedule | micro-batches per step | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
+                "|---|---|" + "---|" * len(lrs)]
+        loss = {(r["lr"], r["schedule"], r["weight_stashing"]): r for r in result["pipeline"]}
+        for schedule, mode, _ in PIPELINE_MODES:
             cells = [loss[lr, schedule, mode] for lr in lrs]
             label = "1F1B, flushed" if mode is None else f"asynchronous, {mode}"
-            out.append(f"| {label} | " + " | ".join(f"{c:.4f}" for c in cells) + " |")
+            out.append(f"| {label} | {cells[0]['microbatches']} | "
+                       + " | ".join(f"{c['val_loss']:.4f}" for c in cells) + " |")
     if "staleness" in result:
         out += ["", f"SGD with stale gradients, {args.sgd_updates} updates:", "",
                 "| staleness | training loss, last 10 updates | validation loss |", "|---|---|---|"]
@@ -154,14 +165,15 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     if "straggler" in result:
         out += ["", f"2 workers, {args.sgd_updates} updates (DDP: steps of both workers' batches), "
                     f"one worker slowed by {args.slow_ms:g} ms per batch or not:", "",
-                "| mode | slowed | samples/s | validation loss | the slowed worker's share of updates "
-                "| staleness (mean, the slowed worker's) |", "|---|---|---|---|---|---|"]
+                "| mode | slowed | samples/s | the other worker's updates/s | validation loss "
+                "| the slowed worker's share of updates | staleness (mean, the slowed worker's) |",
+                "|---|---|---|---|---|---|---|"]
         for r in result["straggler"]:
             share = f"{r['slowed_share']:.2f}" if "slowed_share" in r else "-"
             stale = f"{r['staleness_mean']:.2f}, {r['slowed_staleness_mean'] or 0:.2f}" \
                 if "staleness_mean" in r else "-"
             out.append(f"| {r['mode']} | {r['slow_ms']:g} ms | {r['samples_per_sec']:.1f} "
-                       f"| {r['val_loss']:.4f} | {share} | {stale} |")
+                       f"| {r['other_updates_per_sec']:.2f} | {r['val_loss']:.4f} | {share} | {stale} |")
     return "\n".join(out)
 
 
@@ -190,12 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--stages", type=int, default=4, help="pipeline ranks")
-    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=4, help="the timeline's, the flushed "
+                   "schedule's and 2BW's micro-batches per step (PipeDream's modes take 1)")
     p.add_argument("--batch", type=int, default=16, help="global batch")
     p.add_argument("--pipeline_steps", type=int, default=60)
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 4e-3], help="pipeline: Adam's rates")
     p.add_argument("--sgd_updates", type=int, default=60, help="staleness and straggler runs' updates")
-    p.add_argument("--slow_ms", type=float, default=400.0)
+    p.add_argument("--slow_ms", type=float, default=1000.0)
     p.add_argument("--val_samples", type=int, default=64)
     p.add_argument("--out", type=Path, default=Path("logs/async"))
     p.add_argument("flags", nargs="*", help="more flags of the runs after --, e.g. -- --data_dir DIR")

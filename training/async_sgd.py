@@ -306,8 +306,12 @@ def finish(cfg: Config, args: argparse.Namespace, run_dir: Path, model: ViT, upd
     model.eval()
     val = validation.evaluate(model, iter(loader), cfg.n_out_channels, latitude_weights(cfg.img_size[0], CPU))
     rows = records(updates, samples_per_update, args.log_every)
-    rows[-1].update(val_loss=val["loss"], rmse=val["rmse"],
-                    run_samples_per_sec=len(updates) * samples_per_update / updates[-1]["seconds"])
+    by_worker: dict[str, int] = {}
+    for u in updates:
+        by_worker[str(u["trainer"])] = by_worker.get(str(u["trainer"]), 0) + 1
+    rows[-1].update(val_loss=val["loss"], rmse=val["rmse"], run_seconds=updates[-1]["seconds"],
+                    run_samples_per_sec=len(updates) * samples_per_update / updates[-1]["seconds"],
+                    updates_by_worker=by_worker)
     with open(run_dir / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     ckpt.save_atomic({"model": {n: p.detach().clone() for n, p in model.named_parameters()},
