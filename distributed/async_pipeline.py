@@ -73,11 +73,13 @@ class Flight:
 
 class PeerLinks:
     """Messages between neighbouring stages of the pipeline's process group: activations forward,
-    their gradients back. A stage sends its forward's output and receives the gradient of the
-    backward that follows in one exchange: its neighbour sent that gradient before it receives
-    this activation, and on NCCL, where a pair of ranks shares one stream, a send posted alone
-    before the other direction's receive would wait for it forever. Other sends do not wait
-    (``isend``); :meth:`flush` waits for them (at a drain)."""
+    their gradients back, one group of messages per micro-batch between two neighbours: the
+    earlier stage sends an activation and receives the gradient its next backward needs, the
+    later stage receives that activation and sends the gradient of its own last backward, kept
+    until then. On NCCL a pair of ranks shares one stream and a send waits for its receive: a
+    send posted alone before the other direction's receive would wait for ever, and a gradient
+    left unreceived between steps would block validation's plain sends and receives. A drain
+    sends the kept gradients at once (:meth:`release`)."""
 
     ACTIVATION, GRADIENT = 1, 2  # message tags (validation's forward uses 0)
 
@@ -85,40 +87,54 @@ class PeerLinks:
         self.group, self.device = group, device
         self.prev = peers[pp_rank - 1] if pp_rank > 0 else None
         self.next = peers[pp_rank + 1] if pp_rank < len(peers) - 1 else None
-        self.pending: list[Any] = []
+        self.kept: torch.Tensor | None = None  # the gradient for the previous stage, not yet sent
+        self.pending: list[Any] = []  # sends not waited for
 
     def exchange(self, out: torch.Tensor | None, shape: tuple[int, ...] | None) -> torch.Tensor | None:
-        """Send ``out`` (if any: not on the last stage) to the next stage, and receive from it a
-        gradient of ``shape`` (if any: when a backward follows), together."""
-        ops = [] if out is None else [
-            dist.P2POp(dist.isend, out.float().contiguous(), self.next, self.group, self.ACTIVATION)]  # fp32
+        """With the next stage: send ``out`` (if any: not on the last stage), and receive a gradient
+        of ``shape`` (if any: when a backward follows), in one group."""
+        ops = [] if out is None else [  # fp32 whatever the compute dtype
+            dist.P2POp(dist.isend, out.float().contiguous(), self.next, self.group, self.ACTIVATION)]
         grad = None if shape is None else torch.empty(shape, device=self.device)
         if grad is not None:
             ops.append(dist.P2POp(dist.irecv, grad, self.next, self.group, self.GRADIENT))
-        if not ops:
-            return None
-        works = dist.batch_isend_irecv(ops)
-        if grad is None:
-            self.pending += works
-        else:
-            for work in works:
-                work.wait()
+        self._run(ops, wait=grad is not None)
         return grad
 
     def recv_activation(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """With the previous stage: receive an activation, and send the gradient kept for it."""
         x = torch.empty(shape, device=self.device)
-        dist.irecv(x, src=self.prev, group=self.group, tag=self.ACTIVATION).wait()
+        ops = [dist.P2POp(dist.irecv, x, self.prev, self.group, self.ACTIVATION)]
+        if self.kept is not None:
+            ops.append(dist.P2POp(dist.isend, self.kept, self.prev, self.group, self.GRADIENT))
+            self.kept = None
+        self._run(ops, wait=True)
         return x
 
     def send_gradient(self, grad: torch.Tensor) -> None:
-        self.pending = [w for w in self.pending if not w.is_completed()]
-        self.pending.append(dist.isend(grad.float().contiguous(), self.prev, group=self.group,
-                                       tag=self.GRADIENT))
+        self.kept = grad.float().contiguous()  # sent with the next activation's receive
+
+    def release(self) -> None:
+        """Send the kept gradient now (a drain: no activation comes from the previous stage)."""
+        if self.kept is not None:
+            self._run([dist.P2POp(dist.isend, self.kept, self.prev, self.group, self.GRADIENT)], wait=False)
+            self.kept = None
 
     def flush(self) -> None:
+        self.release()
         for work in self.pending:
             work.wait()
         self.pending = []
+
+    def _run(self, ops: list[Any], wait: bool) -> None:
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        if wait:
+            for work in works:
+                work.wait()
+        else:
+            self.pending += works
 
 
 class StageEngine:
@@ -239,8 +255,10 @@ class StageEngine:
     def drain(self) -> None:
         """The backward (and update) of every micro-batch in flight: afterwards every stage holds
         one version, all updates applied, and the next micro-batch starts a new warm-up."""
+        self.links.release()  # the previous stage's drain needs it
         while self.flights:
             self.backward(None if self.last else self.links.exchange(None, self.shape))
+            self.links.release()
         self.links.flush()
         self.stash.clear()
         self.start = (self.number, self.version)
