@@ -50,7 +50,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from distributed.env import all_reduce_sum
 from distributed.pipeline import Pipeline
 from distributed.tags import unwrap
 from utils.config import WEIGHT_STASHING, Config
@@ -315,14 +314,21 @@ class AsyncPipeline(Pipeline):
     def start_schedule(self, cfg: Config, loss_fn: LossFn) -> None:
         self.microbatches = cfg.num_microbatches
         self.update: Callable[[], None] = lambda: None
+        self.unshared: list[tuple[torch.Tensor, Any]] = []  # losses on their way to every stage
         links = PeerLinks(self.group, self.peers, self.pp_rank, self.device)
         self.engine = StageEngine(self.chunks[0], self.stage_ids[0], self.n_stages, cfg.weight_stashing,
                                   cfg.num_microbatches, loss_fn, links, lambda: self.update())
         self.stages = []
 
-    def step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        """One step's micro-batches into the pipeline (and older ones' backwards out of it); the
-        step's mean loss on every stage (the last computes it, one small all-reduce shares it)."""
+    def step(self, inp: torch.Tensor, tar: torch.Tensor, share: bool = True) -> torch.Tensor:
+        """One step's micro-batches into the pipeline (and older ones' backwards out of it).
+
+        The last stage computes the step's mean loss; an all-reduce brings it to every stage
+        without waiting for it: waiting would hold the first stage at the end of every step until
+        the last had run the step's forwards, a fill of the pipeline per step. With ``share`` the
+        stage waits for every loss on its way and returns their sum (the losses of the steps since
+        the last share), else zero: the sum over a run's steps is the same, and so is what the
+        loop adds up when it reads it (the step variant shares before every such read)."""
         m = self.microbatches
         inputs = list(inp.chunk(m)) if self.is_first else [None] * m
         targets = list(tar.chunk(m)) if self.is_last else [None] * m
@@ -331,7 +337,17 @@ class AsyncPipeline(Pipeline):
         shape = (inp.shape[0] // m, *self.token_shape)
         losses = self.engine.step(inputs, targets, shape)
         loss = torch.stack(losses).mean() if self.is_last else torch.zeros((), device=self.device)
-        return all_reduce_sum(loss, self.group)
+        self.unshared.append((loss, dist.all_reduce(loss, group=self.group, async_op=True)))
+        return self.shared_loss() if share else torch.zeros((), device=self.device)
+
+    def shared_loss(self) -> torch.Tensor:
+        """The sum of the losses not yet shared, once every stage has them."""
+        total = torch.zeros((), device=self.device)
+        for loss, work in self.unshared:
+            work.wait()
+            total += loss
+        self.unshared = []
+        return total
 
     def drain(self) -> None:
         """Every micro-batch in flight through its backward and update (before a checkpoint)."""

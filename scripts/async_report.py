@@ -58,14 +58,18 @@ def common(args: argparse.Namespace) -> list[str]:
 
 # ------------------------------------------------------------------ the parts ---
 def timeline(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """pipeline_report.py's recording of one step's forwards and backwards, flushed and not."""
+    """pipeline_report.py's recording of one step's forwards and backwards, flushed and not, on
+    --timeline_stages ranks (drawn); and with one micro-batch per step, where a flushed pipeline
+    (GPipe: 1F1B needs as many micro-batches as stages) idles most."""
     from scripts import pipeline_report
 
-    report = argparse.Namespace(yaml_config=args.yaml_config, config=args.config, out=args.out, steps=3,
+    report = argparse.Namespace(yaml_config=args.yaml_config, config=args.config, out=args.out, steps=4,
                                 batch=args.batch, stages_per_rank=2, flags=args.flags)
-    rows = [pipeline_report.measure(report, s, args.stages, args.microbatches)
-            for s in ("1f1b", pipeline_report.ASYNC)]
-    pipeline_report.plot(rows, args.out / "async_timeline.png")
+    p, asynchronous = args.timeline_stages, pipeline_report.ASYNC
+    rows = [pipeline_report.measure(report, s, p, m)
+            for s, m in (("1f1b", args.microbatches), (asynchronous, args.microbatches), ("gpipe", 1),
+                         (asynchronous, 1))]
+    pipeline_report.plot(rows[:2], args.out / "async_timeline.png")
     return [{k: r[k] for k in ("schedule", "pp", "microbatches", "samples_per_sec", "bubble_on_paper",
                                "bubble_measured")} for r in rows]
 
@@ -201,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="tiny")
     p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
-    p.add_argument("--stages", type=int, default=4, help="pipeline ranks")
+    p.add_argument("--stages", type=int, default=4, help="pipeline ranks of the loss measurements")
+    p.add_argument("--timeline_stages", type=int, default=2, help="pipeline ranks of the timeline (one "
+                   "core each on a 2-core machine)")
     p.add_argument("--microbatches", type=int, default=4, help="the timeline's, the flushed "
                    "schedule's and 2BW's micro-batches per step (PipeDream's modes take 1)")
     p.add_argument("--batch", type=int, default=16, help="global batch")

@@ -57,20 +57,27 @@ def worker(argv: list[str]) -> int:
             trainer.model.record_timeline(self.events)
 
         def step_start(self, trainer) -> None:
-            dist.barrier()  # the ranks start the step together: their clocks line up
+            # the ranks start the step together: their clocks line up. Not the asynchronous
+            # pipeline's, whose stages do not wait for each other between steps: its clocks are
+            # lined up once, at the first step
+            again = trainer.cfg.pipeline_schedule != ASYNC
+            if again or not self.steps:
+                dist.barrier()
             self.events.clear()
             self.meter = SavedTensorMeter()
             self.hooks = torch.autograd.graph.saved_tensors_hooks(self.meter.pack, self.meter.unpack)
             self.hooks.__enter__()
             dev.synchronize(trainer.device)  # on a GPU: the host clock reads the device's time
             self.start = time.perf_counter()
+            if again or not self.steps:
+                self.origin = self.start  # the events' times are from here
 
         def step_end(self, trainer, loss) -> None:
             self.hooks.__exit__(None, None, None)
             dev.synchronize(trainer.device)
             end = time.perf_counter()
             self.steps.append({"seconds": end - self.start, "saved_peak_bytes": self.meter.peak,
-                               "events": [(k, s, m, a - self.start, b - self.start)
+                               "events": [(k, s, m, a - self.origin, b - self.origin)
                                           for k, s, m, a, b in self.events]})
 
         def fit_end(self, trainer) -> None:
@@ -111,12 +118,19 @@ def measure(args: argparse.Namespace, schedule: str, p: int, m: int) -> dict[str
     ranks = [json.loads((run_dir / RECORD_FILE.format(rank=r)).read_text()) for r in range(p)]
     last = [r["steps"][-1] for r in ranks]
     step = max(s["seconds"] for s in last)
-    busy = [sum(b - a for _, _, _, a, b in s["events"]) for s in last]
+    bubble = 1 - statistics.mean(sum(b - a for _, _, _, a, b in s["events"]) for s in last) / step
+    if schedule == ASYNC:  # the step before the last (the last waits for the shared losses), drawn
+        # from its first event on any rank; each rank idle for a share of its own step
+        last = [r["steps"][-2] for r in ranks]
+        t0 = min(e[3] for s in last for e in s["events"])
+        last = [{**s, "events": [(*e[:3], e[3] - t0, e[4] - t0) for e in s["events"]]} for s in last]
+        step = max(e[4] for s in last for e in s["events"])
+        bubble = 1 - statistics.mean(sum(b - a for _, _, _, a, b in s["events"]) / s["seconds"] for s in last)
     # each step's time is its slowest rank's; the first step (shape inference) is left out
     per_step = [max(s["seconds"] for s in same) for same in zip(*(r["steps"] for r in ranks))][1:]
     return {"schedule": schedule, "pp": p, "microbatches": m, "v": args.stages_per_rank,
             "step_seconds": step, "samples_per_sec": args.batch / statistics.median(per_step or [step]),
-            "bubble_measured": 1 - statistics.mean(busy) / step,
+            "bubble_measured": bubble,
             "bubble_on_paper": bubble_on_paper(schedule, p, m, args.stages_per_rank),
             "saved_MiB": [s["saved_peak_bytes"] / MIB for s in last],
             "timeline": [{"rank": r["pp_rank"], "events": s["events"]} for r, s in zip(ranks, last)]}

@@ -99,9 +99,11 @@ def simulate(model, n_stages: int, mode: str, m: int, batches, drains=()) -> lis
     return engines
 
 
-def reference(model, n_stages: int, delays: list[int], batches, drains=()) -> dict[str, torch.Tensor]:
+def reference(model, n_stages: int, delays: list[int], batches, drains=(),
+              losses: list | None = None) -> dict[str, torch.Tensor]:
     """SGD in which step n's gradient is computed with each stage s's weights as they were after
-    max(n - delays[s], last drain) updates, and every stage applies it as its update n + 1."""
+    max(n - delays[s], last drain) updates, and every stage applies it as its update n + 1 (each
+    step's loss at those weights appended to ``losses``)."""
     stage_of = {name: s for s, stage in enumerate(stages_of(model, n_stages))
                 for name, _ in stage.named_parameters()}
     history = [{n: p.detach().clone() for n, p in model.named_parameters()}]
@@ -110,8 +112,10 @@ def reference(model, n_stages: int, delays: list[int], batches, drains=()) -> di
         base = n if n in drains else base
         weights = {name: history[max(base, n - delays[stage_of[name]])][name].detach().requires_grad_()
                    for name in stage_of}
-        grads = torch.autograd.grad(relative_l2_loss(functional_call(model, weights, (inp,)), tar),
-                                    list(weights.values()))
+        loss = relative_l2_loss(functional_call(model, weights, (inp,)), tar)
+        grads = torch.autograd.grad(loss, list(weights.values()))
+        if losses is not None:
+            losses.append(loss.item())
         history.append({name: history[-1][name].detach() - LR * g for name, g in zip(weights, grads)})
     return history[-1]
 
@@ -226,6 +230,22 @@ def test_what_the_asynchronous_schedule_refuses(flags, message, data_dir, tmp_pa
         make_cfg(data_dir, tmp_path, depth=4, pipeline_schedule="async_1f1b", **flags)
 
 
+def test_the_loss_is_shared_before_the_loop_reads_it():
+    """The steps after which the loop reads its loss sum: epoch ends (every 5 steps here), a
+    checkpoint (every 4), the stop agreement's reads (a step after each of its questions, every
+    10) and the last (12); a checkpoint with a loss still unshared is refused."""
+    from types import SimpleNamespace
+
+    from training.async_pipeline import AsyncPipelineState, AsyncPipelineStep
+
+    cfg = SimpleNamespace(stop_check_every=10, num_iters=12, checkpoint_every=4)
+    step = AsyncPipelineStep(SimpleNamespace(cfg=cfg, train_data=SimpleNamespace(batches_per_epoch=5)))
+    assert [d for d in range(1, 13) if step.loss_read_after(d)] == [1, 4, 5, 8, 10, 11, 12]
+    trainer = SimpleNamespace(model=SimpleNamespace(unshared=[object()]))
+    with pytest.raises(RuntimeError, match="not shared"):
+        AsyncPipelineState(trainer).state_dict()
+
+
 def test_one_pipeline_only():
     from types import SimpleNamespace
 
@@ -272,7 +292,9 @@ def stashed_run(data_dir, deep_yaml, tmp_path_factory) -> Path:
 
 def test_two_ranks_reproduce_sgd_with_each_stage_delayed(stashed_run, data_dir, tmp_path):
     """The 2-rank run against :func:`reference` with delays p - 1 - s = (1, 0), drained at step
-    3, on the same batches: losses and weights within fp32 rounding. The ranks' matmuls may block
+    3, on the same batches: weights and each epoch's loss within fp32 rounding (the stages share
+    each step's loss without waiting, and the loop's sum after steps 1, 2, 3, 4 and 6: step 5's
+    comes with step 6's). The ranks' matmuls may block
     and sum in another order than this process's (a stage's slice of the model, a thread of its
     own); each step's differences are then a few ulps of the weights, and 6 steps of SGD at
     rate 0.05 keep them below 1e-6 here. A rule off by one update differs by 1e-3 or more."""
@@ -285,7 +307,10 @@ def test_two_ranks_reproduce_sgd_with_each_stage_delayed(stashed_run, data_dir, 
         sampler.set_epoch(epoch)
         batches += [(x.clone(), y.clone()) for x, y in loader]
     got = torch.load(stashed_run / CHECKPOINT_NAME, weights_only=False)["model"]
-    want = reference(model, 2, [1, 0], batches, drains={3})
+    losses: list[float] = []
+    want = reference(model, 2, [1, 0], batches, drains={3}, losses=losses)
+    epochs = [sum(losses[i: i + 2]) / 2 for i in (0, 2, 4)]
+    assert [m["train_loss"] for m in metrics(stashed_run)] == pytest.approx(epochs, rel=1e-5)
     print("largest difference to the reference", max((got[n] - want[n]).abs().max() for n in got))
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)

@@ -36,7 +36,11 @@ class AsyncPipelineState(PipelineState):
     """A flushed pipeline's checkpoint, written after the drain."""
 
     def state_dict(self) -> dict[str, Any]:
-        self.trainer.model.drain()
+        model = self.trainer.model
+        if model.unshared:  # the loop's part of this checkpoint holds a loss sum without them
+            raise RuntimeError("a checkpoint after a step whose loss was not shared: "
+                               "AsyncPipelineStep.loss_read_after must name this step")
+        model.drain()
         return super().state_dict()
 
 
@@ -67,14 +71,30 @@ class AsyncPipelineStep(PipelineStep):
         return model
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        """The step's loss is added up by the loop once the stages have shared it (after the steps
+        :meth:`loss_read_after` names; zero after the others, whose losses come with the next)."""
         t = self.trainer
+        if t.epoch_steps == 0 and t.model.unshared:  # an epoch was closed without them
+            raise RuntimeError("an epoch ended after a step whose loss was not shared: "
+                               "AsyncPipelineStep.loss_read_after must name that step")
         with dev.nvtx_range("asynchronous pipeline"), self.compute():
-            loss = t.model.step(inp, tar)  # the stage's updates happen inside (stage_update)
+            # the stage's updates happen inside (stage_update)
+            loss = t.model.step(inp, tar, share=self.loss_read_after(t.step + 1))
         with warnings.catch_warnings():  # the schedule follows the training steps, which the first
             # stages' warm-up takes before their first update: torch's warning is for a mistake
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
             t.scheduler.step()
         return loss
+
+    def loss_read_after(self, done: int) -> bool:
+        """Whether the loop reads the losses it added up after ``done`` steps: at an epoch's end, a
+        checkpoint, the last step, and where a stop signal can end training (the stop agreement
+        asks every ``stop_check_every`` steps and reads the answer a step later)."""
+        cfg = self.trainer.cfg
+        every = cfg.stop_check_every
+        return (done % self.trainer.train_data.batches_per_epoch == 0 or done >= cfg.num_iters
+                or bool(cfg.checkpoint_every) and done % cfg.checkpoint_every == 0
+                or every == 1 or done % every == 1)
 
     def held_bytes(self) -> dict[str, int]:
         """What EagerStep counts, and the older weight versions: the most the stage held at once."""

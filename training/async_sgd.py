@@ -127,25 +127,28 @@ def set_flat(params: list[torch.nn.Parameter], flat: torch.Tensor, grad: bool = 
 
 
 # ------------------------------------------------------------ Hogwild, with or without a lock ---
-def hogwild_worker(cfg: Config, model: ViT, rank: int, workers: int, updates: int, lock: Any, count: Any,
-                   results: Any, ready: Any, slow_s: float) -> None:
-    """One process of a Hogwild run: its own optimizer on the shared weights, its own shard; the
-    learning rate follows the updates of all workers together (a shared counter)."""
+def hogwild_worker(cfg: Config, model: ViT, rank: int, workers: int, lock: Any, count: Any, results: Any,
+                   ready: Any, slow_s: float) -> None:
+    """One process of a Hogwild run: its own optimizer on the shared weights, its own shard. The
+    run's updates are claimed from a shared counter, first come first served (a slow worker
+    makes fewer), whose number also sets the update's learning rate."""
     torch.set_num_threads(1)
     optimizer, _ = make_optimizer(cfg, model.parameters())
     factor = make_lr_lambda(cfg)
     worker = Worker(cfg, model, batches(cfg, cfg.global_batch_size // workers, workers, rank), slow_s)
     ready.wait()  # every worker set up: the clock starts
-    for _ in range(updates):
+    while True:
+        with count.get_lock():
+            if count.value >= cfg.num_iters:
+                break
+            number = count.value
+            count.value += 1
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * factor(number)
         loss = worker.gradient()
         with lock or contextlib.nullcontext():
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        with count.get_lock():
-            count.value += 1
-            done = count.value
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * factor(done)
         results.put((rank, loss, time.perf_counter()))
 
 
@@ -156,9 +159,8 @@ def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
     ctx = mp.get_context("fork")
     lock = ctx.Lock() if args.mode == "locked" else None
     count, results, ready = ctx.Value("i", 0), ctx.Queue(), ctx.Barrier(args.workers + 1)
-    shares = [cfg.num_iters // args.workers + (w < cfg.num_iters % args.workers) for w in range(args.workers)]
-    procs = [ctx.Process(target=hogwild_worker, args=(cfg, model, w, args.workers, shares[w], lock, count,
-                                                      results, ready, slow(args, w)))
+    procs = [ctx.Process(target=hogwild_worker,
+                         args=(cfg, model, w, args.workers, lock, count, results, ready, slow(args, w)))
              for w in range(args.workers)]
     for p in procs:
         p.start()
