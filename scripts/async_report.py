@@ -7,6 +7,8 @@ Parts (``--parts``, all by default):
 
 - ``timeline``: one step of flushed 1F1B and of the asynchronous pipeline (weight stashing), when
   each stage ran each micro-batch's forward and backward (scripts/pipeline_report.py's recorder);
+- ``throughput``: samples/s of flushed and asynchronous pipelines in plain training runs of
+  ``--throughput_steps`` steps (the recorder's hooks cost time of their own);
 - ``pipeline``: the validation loss after ``--pipeline_steps`` steps of flushed 1F1B and of the
   asynchronous schedule in each mode (train_mp.py on ``--stages`` ranks), at each ``--lrs``;
 - ``staleness``: the training loss against updates of SGD whose gradients are 0, 1 and 3 updates
@@ -33,7 +35,7 @@ sys.path.insert(0, str(REPO))
 from scripts.instruments import read_metrics, write_report  # noqa: E402
 from scripts.workers import worker_env  # noqa: E402
 
-PARTS = ("timeline", "pipeline", "staleness", "straggler")
+PARTS = ("timeline", "throughput", "pipeline", "staleness", "straggler")
 # (schedule, weight_stashing, micro-batches per step: 0 for --microbatches): each mode in its paper's
 # setting. PipeDream's modes update once per micro-batch; 2BW needs p - 1 or more per step; the rules
 # of the flushed schedule and of 2BW do not depend on the number
@@ -70,8 +72,26 @@ def timeline(args: argparse.Namespace) -> list[dict[str, Any]]:
             for s, m in (("1f1b", args.microbatches), (asynchronous, args.microbatches), ("gpipe", 1),
                          (asynchronous, 1))]
     pipeline_report.plot(rows[:2], args.out / "async_timeline.png")
-    return [{k: r[k] for k in ("schedule", "pp", "microbatches", "samples_per_sec", "bubble_on_paper",
-                               "bubble_measured")} for r in rows]
+    return [{k: r[k] for k in ("schedule", "pp", "microbatches", "bubble_on_paper", "bubble_measured")}
+            for r in rows]
+
+
+def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Flushed against asynchronous at one micro-batch per step (GPipe: 1F1B needs as many as
+    stages) and at --microbatches, on --timeline_stages ranks: a plain run's samples/s."""
+    rows = []
+    for schedule, m in (("gpipe", 1), ("async_1f1b", 1), ("1f1b", args.microbatches),
+                        ("async_1f1b", args.microbatches)):
+        name = f"speed_{schedule}_m{m}"
+        print(f"  {name}", flush=True)
+        launch(args.timeline_stages, "train_mp.py", common(args) + [
+            f"--run_num={name}", f"--num_iters={args.throughput_steps}", f"--global_batch_size={args.batch}",
+            f"--limit_nsamples={args.batch * args.throughput_steps}", f"--pipeline_parallel={args.timeline_stages}",
+            f"--pipeline_schedule={schedule}", f"--num_microbatches={m}"])
+        last = read_metrics(next((args.out / "runs" / args.config).glob(f"*/{name}")))[-1]
+        rows.append({"schedule": schedule, "pp": args.timeline_stages, "microbatches": m,
+                     "samples_per_sec": last["samples_per_sec"]})
+    return rows
 
 
 def pipeline(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -146,10 +166,15 @@ def _mean(xs: list[float]) -> float | None:
 def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     out = [f"Config `{args.config}`, global batch {args.batch}."]
     if "timeline" in result:
-        out += ["", "| schedule | stages | micro-batches | samples/s | bubble on paper | bubble measured |",
-                "|---|---|---|---|---|---|"]
-        out += [f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['samples_per_sec']:.1f} "
-                f"| {r['bubble_on_paper']:.2f} | {r['bubble_measured']:.2f} |" for r in result["timeline"]]
+        out += ["", "| schedule | stages | micro-batches | bubble on paper | bubble measured |",
+                "|---|---|---|---|---|"]
+        out += [f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['bubble_on_paper']:.2f} "
+                f"| {r['bubble_measured']:.2f} |" for r in result["timeline"]]
+    if "throughput" in result:
+        out += ["", f"{args.throughput_steps} steps:", "", "| schedule | stages | micro-batches | samples/s |",
+                "|---|---|---|---|"]
+        out += [f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['samples_per_sec']:.1f} |"
+                for r in result["throughput"]]
     if "pipeline" in result:
         lrs = sorted({r["lr"] for r in result["pipeline"]})
         out += ["", f"Validation loss after {args.pipeline_steps} steps, {args.stages} stages:", "",
@@ -212,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                    "schedule's and 2BW's micro-batches per step (PipeDream's modes take 1)")
     p.add_argument("--batch", type=int, default=16, help="global batch")
     p.add_argument("--pipeline_steps", type=int, default=60)
+    p.add_argument("--throughput_steps", type=int, default=40)
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 4e-3], help="pipeline: Adam's rates")
     p.add_argument("--sgd_updates", type=int, default=60, help="staleness and straggler runs' updates")
     p.add_argument("--slow_ms", type=float, default=1000.0)

@@ -326,7 +326,7 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
         "--data_dir", str(runner.data_for("tiny")), "--expdir", str(runner.tmp / "logs")],
     "async_report.py": lambda runner: [  # every part, each run 2 steps or 4 updates on 2 ranks
         "--stages", "2", "--timeline_stages", "2", "--microbatches", "2", "--batch", "8",
-        "--pipeline_steps", "2", "--lrs", "0.001",
+        "--pipeline_steps", "2", "--throughput_steps", "2", "--lrs", "0.001",
         "--sgd_updates", "4", "--slow_ms", "20", "--val_samples", "8",
         "--", "--limit_nsamples", "32", "--data_dir", str(runner.data_for("tiny"))],
     "hang_demo.py": lambda runner: ["--timeout", "1"],  # both cases; it fails if no rank is named

@@ -7,6 +7,9 @@ What changes against training/pipelined.py's flushed pipeline:
   earlier and steps the optimizer as soon as a step's gradient is complete on it, with the
   weights ``--weight_stashing`` names. The learning-rate schedule still advances once per
   training step;
+- nothing makes the stages wait for each other between steps: the last stage's loss reaches
+  the others without waiting, and the loop is given it (summed) only where it reads its sum
+  (:meth:`AsyncPipelineStep.loss_read_after`), once every few steps;
 - a checkpoint first drains the pipeline (every micro-batch in flight through its backward and
   update), then is written as a flushed pipeline's: consolidated, in the serial model's names.
   A resumed run starts with an empty pipeline, as the run it continues did after the drain, so
