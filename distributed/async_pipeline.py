@@ -52,7 +52,7 @@ from torch.func import functional_call
 
 from distributed.pipeline import Pipeline
 from distributed.tags import unwrap
-from utils.config import WEIGHT_STASHING, Config
+from utils.config_groups import WEIGHT_STASHING, ParallelConfig
 
 Weights = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -311,13 +311,13 @@ class AsyncPipeline(Pipeline):
     checkpoints' gathers) with this module's schedule in place of torch's: one stage per rank.
     ``update`` (set by the step variant before training) steps the optimizer."""
 
-    def start_schedule(self, cfg: Config, loss_fn: LossFn) -> None:
-        self.microbatches = cfg.num_microbatches
+    def start_schedule(self, layout: ParallelConfig, loss_fn: LossFn) -> None:
+        self.microbatches = layout.num_microbatches
         self.update: Callable[[], None] = lambda: None
         self.unshared: list[tuple[torch.Tensor, Any]] = []  # losses on their way to every stage
         links = PeerLinks(self.group, self.peers, self.pp_rank, self.device)
-        self.engine = StageEngine(self.chunks[0], self.stage_ids[0], self.n_stages, cfg.weight_stashing,
-                                  cfg.num_microbatches, loss_fn, links, lambda: self.update())
+        self.engine = StageEngine(self.chunks[0], self.stage_ids[0], self.n_stages, layout.weight_stashing,
+                                  layout.num_microbatches, loss_fn, links, lambda: self.update())
         self.stages = []
 
     def step(self, inp: torch.Tensor, tar: torch.Tensor, share: bool = True) -> torch.Tensor:
@@ -359,11 +359,12 @@ class AsyncPipeline(Pipeline):
         self.engine.events = events
 
 
-def build(serial: Any, mesh: Any, cfg: Config, device: torch.device, parallelize: Callable[[Any], nn.Module],
+def build(serial: Any, mesh: Any, layout: ParallelConfig, device: torch.device,
+          parallelize: Callable[[Any], nn.Module],
           loss_fn: LossFn) -> AsyncPipeline:
     """distributed/pipeline.py's stages, one per rank, run by :class:`AsyncPipeline`."""
     from distributed import pipeline
 
-    model = pipeline.build(serial, mesh, cfg, device, parallelize, loss_fn, kind=AsyncPipeline)
+    model = pipeline.build(serial, mesh, layout, device, parallelize, loss_fn, kind=AsyncPipeline)
     assert all(unwrap(c) is c for c in model.chunks)  # no DDP or FSDP wrapper: one rank per stage
     return model

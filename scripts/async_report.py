@@ -86,8 +86,9 @@ def throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"  {name}", flush=True)
         launch(args.timeline_stages, "train_mp.py", common(args) + [
             f"--run_num={name}", f"--num_iters={args.throughput_steps}", f"--global_batch_size={args.batch}",
-            f"--limit_nsamples={args.batch * args.throughput_steps}", f"--pipeline_parallel={args.timeline_stages}",
-            f"--pipeline_schedule={schedule}", f"--num_microbatches={m}"])
+            f"--limit_nsamples={args.batch * args.throughput_steps}",
+            f"--pipeline_parallel={args.timeline_stages}", f"--pipeline_schedule={schedule}",
+            f"--num_microbatches={m}"])
         last = read_metrics(next((args.out / "runs" / args.config).glob(f"*/{name}")))[-1]
         rows.append({"schedule": schedule, "pp": args.timeline_stages, "microbatches": m,
                      "samples_per_sec": last["samples_per_sec"]})
@@ -171,8 +172,8 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
         out += [f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['bubble_on_paper']:.2f} "
                 f"| {r['bubble_measured']:.2f} |" for r in result["timeline"]]
     if "throughput" in result:
-        out += ["", f"{args.throughput_steps} steps:", "", "| schedule | stages | micro-batches | samples/s |",
-                "|---|---|---|---|"]
+        out += ["", f"{args.throughput_steps} steps:", "",
+                "| schedule | stages | micro-batches | samples/s |", "|---|---|---|---|"]
         out += [f"| {r['schedule']} | {r['pp']} | {r['microbatches']} | {r['samples_per_sec']:.1f} |"
                 for r in result["throughput"]]
     if "pipeline" in result:

@@ -53,19 +53,23 @@ class AsyncPipelineStep(PipelineStep):
     @classmethod
     def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
         super().check(cfg, ctx, local_batch)
-        if ctx.mesh.dp_size > 1:
+        if ctx is not None and ctx.mesh.dp_size > 1:  # ctx None: the launcher's check before the mesh
             raise ValueError(f"the async_1f1b schedule runs one pipeline here, not {ctx.mesh.dp_size} side "
                              f"by side; start as many ranks as --pipeline_parallel {cfg.pipeline_parallel}")
 
     def build_model(self) -> async_pipeline.AsyncPipeline:
         t = self.trainer
         with torch.device("meta"):  # each stage allocates only itself
-            serial = build_vit(t.cfg)
+            serial = build_vit(t.cfg.model)
         t.n_params = count_parameters(serial)
         self.serial_names = [name for name, _ in serial.named_parameters()]
         values = serial_values(serial, t.cfg.seed)
-        model = async_pipeline.build(serial, t.ctx.mesh, t.cfg, t.device,
-                                     lambda stage: parallelize(stage, t.ctx.mesh, t.cfg, t.device, values),
+        cfg, mesh = t.cfg, t.ctx.mesh
+
+        def parallel_stage(stage: torch.nn.Module) -> torch.nn.Module:
+            return parallelize(stage, mesh, t.device, cfg.layout, cfg.memory, cfg.optim, cfg.seed, values)
+
+        model = async_pipeline.build(serial, mesh, cfg.layout, t.device, parallel_stage,
                                      self.micro_batch_loss)
         model.update = self.stage_update
         engine = model.engine

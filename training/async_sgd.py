@@ -49,7 +49,7 @@ from distributed import param_server
 from distributed.env import all_reduce_sum, init_distributed, parse_env
 from networks.vit import ViT, build_vit
 from training import validation
-from training.launcher import arg_parser, exit_now, resolve_config
+from training.launcher import arg_parser, exit_now, resolve_config, setup_logging
 from training.schedule import make_lr_lambda
 from training.trainer import optimizer_choice
 from utils import attention
@@ -57,7 +57,6 @@ from utils import checkpoint as ckpt
 from utils import device as dev
 from utils.config import Config
 from utils.data_loader import get_data_loader
-from utils.logging_utils import setup_logging
 from utils.metrics import latitude_weights, relative_l2_loss
 
 log = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ CPU = torch.device("cpu")
 # ------------------------------------------------------------ what every mode shares ---
 def build_model(cfg: Config) -> ViT:
     """The serial ViT with the weights every run of the course starts from."""
-    model = build_vit(cfg)
+    model = build_vit(cfg.model)
     model.reset_parameters(torch.Generator().manual_seed(cfg.seed))
     return model
 
@@ -77,7 +76,7 @@ def build_model(cfg: Config) -> ViT:
 def make_optimizer(cfg: Config, params: Any) -> tuple[torch.optim.Optimizer, Any]:
     optimizer_class, options = optimizer_choice(cfg, dev.adam_kernel(cfg.enable_fused))
     optimizer = optimizer_class(params, **options)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, make_lr_lambda(cfg))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, make_lr_lambda(cfg.optim))
 
 
 def batches(cfg: Config, local_batch: int, shards: int = 1, shard: int = 0) -> Iterator[Any]:
@@ -134,7 +133,7 @@ def hogwild_worker(cfg: Config, model: ViT, rank: int, workers: int, lock: Any, 
     makes fewer), whose number also sets the update's learning rate."""
     torch.set_num_threads(1)
     optimizer, _ = make_optimizer(cfg, model.parameters())
-    factor = make_lr_lambda(cfg)
+    factor = make_lr_lambda(cfg.optim)
     worker = Worker(cfg, model, batches(cfg, cfg.global_batch_size // workers, workers, rank), slow_s)
     ready.wait()  # every worker set up: the clock starts
     while True:
