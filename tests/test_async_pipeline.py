@@ -127,7 +127,7 @@ def final_weights(engines) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def vit_and_batches(data_dir, tmp_path_factory):
     cfg = make_cfg(data_dir, tmp_path_factory.mktemp("async_cfg"), depth=4)
-    model = build_vit(cfg)
+    model = build_vit(cfg.model)
     model.reset_parameters(torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(1)
     batches = [(torch.randn(6, 20, 16, 32, generator=gen), torch.randn(6, 20, 16, 32, generator=gen))
@@ -299,7 +299,7 @@ def test_two_ranks_reproduce_sgd_with_each_stage_delayed(stashed_run, data_dir, 
     own); each step's differences are then a few ulps of the weights, and 6 steps of SGD at
     rate 0.05 keep them below 1e-6 here. A rule off by one update differs by 1e-3 or more."""
     cfg = make_cfg(data_dir, tmp_path, depth=4, global_batch_size=8, limit_nsamples=16)
-    model = build_vit(cfg)
+    model = build_vit(cfg.model)
     model.reset_parameters(torch.Generator().manual_seed(cfg.seed))
     loader, _, sampler = get_data_loader(cfg, "train", 8, train=True)
     batches = []

@@ -169,7 +169,7 @@ def test_the_asynchronous_pipelines_weight_versions(cfg_factory):
         assert predicted(mode, m) == versions, mode
     assert predicted("none", 1) == [1, 1, 1, 1]
     cfg = cfg_factory(depth=4)
-    model = build_vit(cfg)
+    model = build_vit(cfg.model)
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randn(2, 20, 16, 32, generator=gen), torch.randn(2, 20, 16, 32, generator=gen))
                for _ in range(8)]

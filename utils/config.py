@@ -148,7 +148,7 @@ def check_across(cfg: Config) -> None:
     if layout.pipeline_parallel > 1:
         check_pipeline_fits(model, optim, layout, memory)
     if layout.pipeline_parallel > 1 and layout.pipeline_schedule == "async_1f1b":
-        check_async_pipeline(model, optim, memory)
+        check_async_pipeline(model, optim, layout, memory)
 
 
 def check_experts(model: ModelConfig, layout: ParallelConfig) -> None:
@@ -193,11 +193,20 @@ def check_pipeline_fits(model: ModelConfig, optim: OptimizerConfig, layout: Para
                          "another schedule")
 
 
-def check_async_pipeline(model: ModelConfig, optim: OptimizerConfig, memory: MemoryConfig) -> None:
+def check_async_pipeline(model: ModelConfig, optim: OptimizerConfig, layout: ParallelConfig,
+                         memory: MemoryConfig) -> None:
     """What the asynchronous schedule (distributed/async_pipeline.py) does not run: each stage
     recomputes its forward in backward (so no dropout, whose masks would differ, and no compile
-    or checkpointing of its own), and updates at its own time (so no norm over the whole model)."""
-    refused = [(model.dropout > 0, f"--dropout {model.dropout} (each stage recomputes its forward in "
+    or checkpointing of its own), updates at its own time (so no norm over the whole model) and
+    is whole layers (no tensor parallelism); 2BW's two versions need p - 1 micro-batches a step."""
+    pp, m = layout.pipeline_parallel, layout.num_microbatches
+    if layout.weight_stashing == "2bw" and m < pp - 1:
+        raise ValueError(f"--weight_stashing 2bw keeps two weight versions only with at least "
+                         f"pipeline_parallel - 1 micro-batches per step (num_microbatches {m} < {pp - 1}); "
+                         f"use --num_microbatches {pp - 1} or more")
+    refused = [(layout.tensor_parallel > 1, "--tensor_parallel (its stages are whole layers here); use "
+                                            "--tensor_parallel 1"),
+               (model.dropout > 0, f"--dropout {model.dropout} (each stage recomputes its forward in "
                                    f"backward, with other dropout masks); use --dropout 0"),
                (optim.grad_clip_norm > 0, "--grad_clip_norm (the stages update at different times: there "
                                           "is no whole-model gradient to clip); use --grad_clip_norm 0"),
@@ -209,6 +218,7 @@ def check_async_pipeline(model: ModelConfig, optim: OptimizerConfig, memory: Mem
     for bad, what in refused:
         if bad:
             raise ValueError(f"the async_1f1b schedule does not run {what}")
+
 
 # Keys a resumed run may change (training/run_dir.py): how data is loaded, profiled, checkpointed,
 # recomputed and laid out, and num_iters to extend a run. The others change the mathematics.

@@ -399,8 +399,6 @@ class ParallelConfig(Group):
         if self.context_parallel > 1:
             raise ValueError("pipeline_parallel does not combine with context_parallel > 1 here; use "
                              "tensor and data parallelism with pipeline stages")
-        if self.pipeline_schedule == "async_1f1b":
-            self.check_async_pipeline()
         if self.pipeline_schedule == "1f1b" and m < pp:
             raise ValueError(f"the 1f1b schedule needs at least as many micro-batches as stages "
                              f"(num_microbatches {m} < pipeline_parallel {pp}); use --num_microbatches "
@@ -413,18 +411,6 @@ class ParallelConfig(Group):
             # seen on torch 2.13
             raise ValueError("the zero_bubble schedule with data_parallel fsdp trains with gradients that "
                              "differ from the serial model's; use --data_parallel ddp or another schedule")
-
-    def check_async_pipeline(self) -> None:
-        """The layouts the asynchronous schedule (distributed/async_pipeline.py) does not run (the
-        keys of other groups it refuses: utils/config.py's check_async_pipeline)."""
-        pp, m = self.pipeline_parallel, self.num_microbatches
-        if self.tensor_parallel > 1:
-            raise ValueError("the async_1f1b schedule does not run --tensor_parallel (its stages are whole "
-                             "layers here); use --tensor_parallel 1")
-        if self.weight_stashing == "2bw" and m < pp - 1:
-            raise ValueError(f"--weight_stashing 2bw keeps two weight versions only with at least "
-                             f"pipeline_parallel - 1 micro-batches per step (num_microbatches {m} < "
-                             f"{pp - 1}); use --num_microbatches {pp - 1} or more")
 
     def check_sequence_parallel(self) -> None:
         """Sequence parallelism leaves every replicated parameter with a partial gradient (its tp
