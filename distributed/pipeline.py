@@ -24,6 +24,7 @@ stage runs the forward (F) and backward (B) of its micro-batches:
 
 All schedules flush at the end of every step (every micro-batch's backward is done before
 the optimizer steps), so every micro-batch sees the same weights, as in the serial model.
+``async_1f1b`` does not: distributed/async_pipeline.py runs it on the same stages.
 
 Stages are cut by hand from the serial model (:func:`cut_stage`), not traced, so the
 parameters keep the serial names: checkpoints are consolidated and load into any layout.
@@ -108,8 +109,6 @@ class Pipeline:
                  mesh: ParallelMesh, device: torch.device, layout: ParallelConfig,
                  token_shape: tuple[int, int],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        from torch.distributed import pipelining
-
         self.chunks, self.stage_ids, self.n_stages = chunks, stage_ids, n_stages
         self.group, self.pp, self.pp_rank = mesh.group("pp"), mesh.size("pp"), mesh.rank_in("pp")
         self.peers = dist.get_process_group_ranks(self.group)  # global rank of each pp rank
@@ -122,14 +121,22 @@ class Pipeline:
         self.dp_group = mesh.dp_group
         self.average_over_dp = mesh.dp_size > 1 and not fsdp_active(layout, mesh) and not layout.noddp
         self.is_first, self.is_last = 0 in stage_ids, n_stages - 1 in stage_ids
-        self.stages = [pipelining.PipelineStage(c, i, n_stages, device, group=self.group)
-                       for c, i in zip(chunks, stage_ids)]
+        self.token_shape = token_shape  # (N, D): what passes between stages, per sample
+        self.start_schedule(layout, loss_fn)
+
+    def start_schedule(self, layout: ParallelConfig,
+                       loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """torch's pipeline stages around this rank's chunks, and the schedule that runs them
+        (distributed/async_pipeline.py runs its own instead)."""
+        from torch.distributed import pipelining
+
+        self.stages = [pipelining.PipelineStage(c, i, self.n_stages, self.device, group=self.group)
+                       for c, i in zip(self.chunks, self.stage_ids)]
         schedule = getattr(pipelining, SCHEDULES[layout.pipeline_schedule])
         # scale_grads: each micro-batch's loss is its mean; the gradients are divided by their
         # number, so the step's gradient is that of the mean over the whole batch
         self.schedule = schedule(self.stages if layout.pipeline_schedule in INTERLEAVED else self.stages[0],
                                  n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=True)
-        self.token_shape = token_shape  # (N, D): what passes between stages, per sample
 
     # --------------------------------------------------------- the model's interface ---
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -234,9 +241,11 @@ def _timed(fn: Callable[..., Any], kind: str, stage: int, events: list,
 
 def build(serial: ViT, mesh: ParallelMesh, layout: ParallelConfig, device: torch.device,
           parallelize: Callable[[ViT], nn.Module],
-          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
+          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+          kind: type[Pipeline] = Pipeline) -> Pipeline:
     """Cut ``serial`` into this rank's stages, make each one parallel over the other dimensions
-    (``parallelize``: tp, checkpointing, compile, DDP/FSDP over dp), and set up the schedule."""
+    (``parallelize``: tp, checkpointing, compile, DDP/FSDP over dp), and set up the schedule
+    (``kind``: a subclass of Pipeline that runs another, distributed/async_pipeline.py's)."""
     n_stages = layout.stages
     ranges = split_blocks(len(serial.blocks), n_stages)
     token_shape = (serial.num_tokens, serial.pos_embed.shape[-1])
@@ -248,4 +257,4 @@ def build(serial: ViT, mesh: ParallelMesh, layout: ParallelConfig, device: torch
     for k, s in enumerate(ids):
         model = serial if k == len(ids) - 1 else copy.deepcopy(serial)  # one copy per stage
         chunks.append(parallelize(cut_stage(model, ranges[s], s == 0, s == n_stages - 1)))
-    return Pipeline(chunks, ids, n_stages, mesh, device, layout, token_shape, loss_fn)
+    return kind(chunks, ids, n_stages, mesh, device, layout, token_shape, loss_fn)

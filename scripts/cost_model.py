@@ -109,6 +109,11 @@ class Layout:
     checkpointing: str = "none"  # none | full | selective
     batch: int = 16  # global batch
     dp_shard: int = 0  # hsdp: ranks of a sharding group (0: all the data-parallel ranks)
+    stashing: str = "stash"  # async_1f1b only: none | stash | vertical | 2bw
+
+    @property
+    def asynchronous(self) -> bool:  # 1F1B with no flush between steps (distributed/async_pipeline.py)
+        return self.pp > 1 and self.schedule == "async_1f1b"
 
     @property
     def dp(self) -> int:
@@ -138,6 +143,8 @@ class Layout:
         parts += [f"{k}{v}" for k, v in (("tp", self.tp), ("cp", self.cp), ("ep", self.ep)) if v > 1]
         if self.pp > 1:
             parts.append(f"pp{self.pp}_{self.schedule}_m{self.microbatches}")
+        if self.asynchronous:
+            parts.append(self.stashing)
         if self.checkpointing != "none":
             parts.append(f"ckpt_{self.checkpointing}")
         return "_".join(p for p in parts if p) or "serial"
@@ -151,6 +158,8 @@ class Layout:
         if self.pp > 1:
             f += [f"--pipeline_parallel={self.pp}", f"--pipeline_schedule={self.schedule}",
                   f"--num_microbatches={self.microbatches}", f"--stages_per_rank={self.stages_per_rank}"]
+        if self.asynchronous:
+            f.append(f"--weight_stashing={self.stashing}")
         return f
 
 
@@ -210,16 +219,38 @@ def flops(m: Model, lay: Layout, pp_rank: int = 0) -> dict[str, int]:
         fwd["blocks"] += sum(2 * r * k * c for r, k, c in mm.values())
         if recomputed(lay, i):
             fwd["recompute"] += sum(2 * r * k * c for name, (r, k, c) in mm.items() if name != "fc2")
+    if async_recomputes(lay, pp_rank):  # the stage's whole forward again, in backward
+        fwd["recompute"] += fwd["blocks"]
     out = {"blocks": 3 * b * fwd["blocks"], "recompute": b * fwd["recompute"]}
     if first:  # a convolution of C_in p p inputs to D outputs per token: a matmul, every token
-        out["patch embedding"] = 2 * 2 * b * m.tokens * m.c_in * m.patch**2 * m.dim
+        out["patch embedding"] = (2 + async_recomputes(lay, pp_rank)) * 2 * b * m.tokens * m.c_in \
+            * m.patch**2 * m.dim
     if last:  # on this rank's N / cp tokens
         out["head"] = 3 * 2 * b * (m.tokens // lay.cp) * m.dim * m.c_out * m.patch**2
     out["total"] = sum(out.values())
     return out
 
 
+def async_recomputes(lay: Layout, pp_rank: int) -> bool:
+    """The asynchronous schedule keeps each micro-batch's input and runs the stage's forward again
+    in its backward, on every stage but the last (whose backward follows its forward at once)."""
+    return lay.asynchronous and pp_rank < lay.pp - 1
+
+
 # ------------------------------------------------------------------ memory ---
+def weight_versions(lay: Layout, pp_rank: int = 0) -> int:
+    """Weight versions a pipeline rank holds at most, its newest weights included (one for every
+    synchronous schedule). The asynchronous schedule with m micro-batches per step: stage s keeps
+    d = p - 1 - s micro-batches in flight beyond the newest and updates every m of them, so with
+    stashing the versions its forwards used span 1 + ceil(d / m) (p - s at m = 1); vertical sync
+    and 2BW use the first stage's version for each micro-batch, ceil((p - 1) / m) updates behind
+    the newest, on every stage: p versions at m = 1, 2 with m >= p - 1 (2BW's two buffers)."""
+    if not lay.asynchronous or lay.stashing == "none":
+        return 1
+    behind = lay.pp - 1 - pp_rank if lay.stashing == "stash" else lay.pp - 1
+    return 1 + math.ceil(behind / lay.microbatches)
+
+
 def tp_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     """This tp rank's part: qkv and fc1 split by rows (column parallel), proj and fc2 weights by
     columns (row parallel, their bias whole); norms, embedding, head and experts replicated."""
@@ -276,7 +307,8 @@ def activation_bytes(m: Model, lay: Layout, pp_rank: int = 0, dtype: str = "floa
     after attention, its normalisation, fc1's output and GELU's (F / tp each), and two floats of
     mean and 1/std per layer norm: 4 D + 4 + (4 D + h + 2 F) / tp. Context parallelism adds the
     gathered keys and values (2 N D / tp per sample); a checkpointed block keeps its input only.
-    A pipeline stage holds the micro-batches in flight: all m (GPipe), pp - rank (1F1B). A mixture
+    A pipeline stage holds the micro-batches in flight: all m (GPipe), pp - rank (1F1B); the
+    asynchronous pipeline, one micro-batch's (it recomputes each forward in backward). A mixture
     of experts' block is an estimate (balanced routing; the indices it keeps are left out): not
     checked.
 
@@ -309,7 +341,10 @@ def activation_bytes(m: Model, lay: Layout, pp_rank: int = 0, dtype: str = "floa
     if first and lay.cp > 1:  # the first block's input is a slice (a view) of the whole sequence
         sample["blocks"] += E * (N - n) * D
     b = lay.local_batch
-    if lay.pp > 1:  # micro-batches alive at once on this rank
+    if lay.asynchronous:  # autograd holds one micro-batch's at a time (the others: their inputs)
+        b = b // lay.microbatches  # the recomputed convolution keeps its micro-batch's input
+        out = {k: v * b for k, v in sample.items()}
+    elif lay.pp > 1:  # micro-batches alive at once on this rank
         flight = lay.microbatches if lay.schedule == "gpipe" else min(lay.microbatches, lay.pp - pp_rank)
         if lay.chunks > 1:  # interleaved: each chunk's micro-batches in flight, at most all
             flight = min(lay.microbatches, lay.pp - pp_rank + (lay.chunks - 1) * lay.pp)
@@ -343,7 +378,9 @@ def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0,
     buffers (one block's gathered weights and gradients, the next block's prefetched weights);
     not checked: neither is in the tensors a run can count on a CPU. ``dtype``: the matmuls'
     precision under autocast (the activations, see activation_bytes); weights, gradients and
-    Adam's state stay fp32."""
+    Adam's state stay fp32. The asynchronous pipeline holds older versions of its weights
+    (:func:`weight_versions`, checked) and the inputs of the micro-batches in flight (not
+    checked: they are not autograd's)."""
     shapes = rank_parameters(m, lay, pp_rank)
     if lay.sharded:  # HSDP's groups are rows of dp_shard consecutive data-parallel ranks
         local = {n: fsdp_rows(s[0], lay.shard, dp_rank % lay.shard) * math.prod(s[1:]) for n, s in shapes}
@@ -357,6 +394,11 @@ def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0,
            "optimizer_state": sum(2 * E * local[n] + 4 for n in owned),
            "activations": act["total"]}
     extra = {}
+    if lay.asynchronous:  # older versions of the weights; the inputs of the micro-batches in flight
+        out["weight versions"] = (weight_versions(lay, pp_rank) - 1) * out["parameters"]
+        first = stage_blocks(m, lay, pp_rank)[1]
+        one = (m.c_in * m.pixels if first else m.tokens * m.dim) * E * (lay.local_batch // lay.microbatches)
+        extra["inputs in flight"] = (lay.pp - 1 - pp_rank) * one
     if lay.checkpointing != "none":
         blocks = stage_blocks(m, lay, pp_rank)[0]
         full = activation_bytes(m, replace(lay, checkpointing="none", pp=1, ranks=lay.ranks // lay.pp),
@@ -472,15 +514,18 @@ def layer_costs(m: Model, lay: Layout, pp_rank: int = 0) -> list[tuple[str, floa
     out: list[tuple[str, float, float]] = []
     for i in blocks:
         again = recomputed(lay, i)
+        stage_again = async_recomputes(lay, pp_rank)
         for name, (r, k, c) in block_matmuls(m, lay, i).items():
-            times = 3 + (again and name != "fc2")  # forward, backward (2x), the recomputed forward
+            # forward, backward (2x), the recomputed forward
+            times = 3 + (again and name != "fc2") + stage_again
             out.append((name, times * b * 2 * r * k * c, times * E * (b * r * k + k * c + b * r * c)))
         elementwise = n * (2 * D + 2 * D + 3 * D + 3 * D) + n * 2 * F // tp  # norms, adds, GELU
-        out.append(("norms, GELU, residuals", 0.0, (3 + again) * E * b * elementwise))
+        out.append(("norms, GELU, residuals", 0.0, (3 + again + stage_again) * E * b * elementwise))
     if first:
         k_in = m.c_in * m.patch**2
-        out.append(("patch embedding", 2 * 2 * b * m.tokens * k_in * D,
-                    2 * E * (b * m.tokens * k_in + k_in * D + b * m.tokens * D)))
+        times = 2 + async_recomputes(lay, pp_rank)
+        out.append(("patch embedding", times * 2 * b * m.tokens * k_in * D,
+                    times * E * (b * m.tokens * k_in + k_in * D + b * m.tokens * D)))
     if last:
         k_out = m.c_out * m.patch**2
         out.append(("head", 3 * 2 * b * n * D * k_out, 3 * E * (b * n * D + D * k_out + b * n * k_out)))
@@ -526,7 +571,7 @@ def collective_seconds(machine: dict[str, Any], kind: str, group: int, nbytes: f
 def step_time(m: Model, lay: Layout, machine: dict[str, Any], dtype: str = "float32") -> dict[str, float]:
     """Seconds of one step: each layer at the slower of its arithmetic (FLOPs / achieved matmul
     FLOP/s) and its memory traffic (bytes / bandwidth), the roofline; Adam; every collective
-    (latency + bytes / bandwidth); for a pipeline the bubble. What overlaps: on a GPU
+    (latency + bytes / bandwidth); for a flushed pipeline the bubble. What overlaps: on a GPU
     machine, ``overlap`` of the gradient synchronisation hides behind backward; on this CPU
     nothing does (gloo's threads share the cores with the computation). The slowest rank sets
     the step's time."""
@@ -560,7 +605,9 @@ def step_time(m: Model, lay: Layout, machine: dict[str, Any], dtype: str = "floa
                          comm["gradients"] - hidden + comm["activations"]})
     worst = max(per_rank, key=lambda r: sum(r.values()))
     out = dict(worst)
-    if lay.pp > 1:  # the bubble: (pp - 1) stage-steps of one micro-batch while the pipeline fills
+    if lay.pp > 1 and not lay.asynchronous:  # (the asynchronous pipeline fills once per run and
+        # never drains but for a checkpoint: no bubble in a step)
+        # The bubble: (pp - 1) stage-steps of one micro-batch while the pipeline fills
         # and drains; interleaving makes a stage-step 1/v as long; zero bubble fills about two
         # thirds of it with the weight gradients (a rough figure: it depends on the schedule)
         stage = sum(r["compute"] + r["communication"] for r in per_rank) / lay.pp / lay.microbatches
@@ -774,7 +821,7 @@ def check_layout(m: Model, lay: Layout, machine: dict[str, Any], records: list[d
         pp_rank, dp_rank = r["pp_rank"], r["dp_rank"]
         mem = memory(m, lay, pp_rank, dp_rank)
         measured_mem = (r["held"]["parameters"] + r["held"]["step_gradients"] + r["held"]["optimizer_state"]
-                        + r["saved_peak_bytes"])
+                        + r["held"].get("weight_versions", 0) + r["saved_peak_bytes"])
         sent = {k: v[0] for k, v in collectives(m, lay, pp_rank).items()}
         kinds = set(sent) | set(r["comm_bytes"])
         worst["flops"] = max(worst["flops"], abs(error(flops(m, lay, pp_rank)["total"], r["flops"])))
@@ -867,7 +914,7 @@ def plot_check(rows: list[dict[str, Any]], path: Path) -> None:
 # train.py's flags that say what the cost model describes: the same declarations (utils/config_groups.py)
 LAYOUT_FLAGS = ("data_parallel", "dp_shard", "tensor_parallel", "context_parallel", "pipeline_parallel",
                 "expert_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",
-                "activation_checkpointing", "global_batch_size")
+                "activation_checkpointing", "global_batch_size", "weight_stashing")
 
 
 def layout_from(cfg: Any, ranks: int) -> Layout:
@@ -875,7 +922,8 @@ def layout_from(cfg: Any, ranks: int) -> Layout:
     resolves them)."""
     return Layout(ranks, cfg.data_parallel, cfg.tensor_parallel, cfg.context_parallel, cfg.pipeline_parallel,
                   cfg.expert_parallel, cfg.pipeline_schedule, cfg.num_microbatches, cfg.stages_per_rank,
-                  cfg.activation_checkpointing, cfg.global_batch_size, cfg.dp_shard)
+                  cfg.activation_checkpointing, cfg.global_batch_size, cfg.dp_shard,
+                  cfg.weight_stashing)
 
 
 def show(m: Model, lay: Layout, machine: dict[str, Any] | None, dtype: str) -> str:

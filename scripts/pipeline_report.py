@@ -30,7 +30,8 @@ from scripts.instruments import write_report  # noqa: E402
 from scripts.workers import run_worker, worker_env  # noqa: E402
 from utils.config_groups import INTERLEAVED  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # the flushed ones, by default
+ASYNC = "async_1f1b"  # distributed/async_pipeline.py: no flush (scripts/async_report.py draws it)
 RECORD_FILE = "pipeline_rank{rank}.json"
 MIB = 2**20
 
@@ -57,20 +58,27 @@ def worker(argv: list[str]) -> int:
             trainer.model.record_timeline(self.events)
 
         def step_start(self, trainer) -> None:
-            dist.barrier()  # the ranks start the step together: their clocks line up
+            # the ranks start the step together: their clocks line up. Not the asynchronous
+            # pipeline's, whose stages do not wait for each other between steps: its clocks are
+            # lined up once, at the first step
+            again = trainer.cfg.pipeline_schedule != ASYNC
+            if again or not self.steps:
+                dist.barrier()
             self.events.clear()
             self.meter = SavedTensorMeter()
             self.hooks = torch.autograd.graph.saved_tensors_hooks(self.meter.pack, self.meter.unpack)
             self.hooks.__enter__()
             dev.synchronize(trainer.device)  # on a GPU: the host clock reads the device's time
             self.start = time.perf_counter()
+            if again or not self.steps:
+                self.origin = self.start  # the events' times are from here
 
         def step_end(self, trainer, loss) -> None:
             self.hooks.__exit__(None, None, None)
             dev.synchronize(trainer.device)
             end = time.perf_counter()
             self.steps.append({"seconds": end - self.start, "saved_peak_bytes": self.meter.peak,
-                               "events": [(k, s, m, a - self.start, b - self.start)
+                               "events": [(k, s, m, a - self.origin, b - self.origin)
                                           for k, s, m, a, b in self.events]})
 
         def fit_end(self, trainer) -> None:
@@ -87,9 +95,12 @@ def worker(argv: list[str]) -> int:
 def bubble_on_paper(schedule: str, p: int, m: int, v: int) -> float | None:
     """Idle fraction of a flushed pipeline: (p - 1) / (m + p - 1); interleaving fills it v times
     faster, (p - 1) / (v m + p - 1). Zero-bubble schedules fill it with weight gradients: how
-    much is left depends on the ratio of the backward's parts (no one formula)."""
+    much is left depends on the ratio of the backward's parts (no one formula). The asynchronous
+    schedule fills the pipeline once per run and never drains it: none."""
     if schedule == "zero_bubble":
         return None
+    if schedule == ASYNC:
+        return 0.0
     v = v if schedule in INTERLEAVED else 1
     return (p - 1) / (v * m + p - 1)
 
@@ -108,12 +119,19 @@ def measure(args: argparse.Namespace, schedule: str, p: int, m: int) -> dict[str
     ranks = [json.loads((run_dir / RECORD_FILE.format(rank=r)).read_text()) for r in range(p)]
     last = [r["steps"][-1] for r in ranks]
     step = max(s["seconds"] for s in last)
-    busy = [sum(b - a for _, _, _, a, b in s["events"]) for s in last]
+    bubble = 1 - statistics.mean(sum(b - a for _, _, _, a, b in s["events"]) for s in last) / step
+    if schedule == ASYNC:  # the step before the last (the last waits for the shared losses), drawn
+        # from its first event on any rank; each rank idle for a share of its own step
+        last = [r["steps"][-2] for r in ranks]
+        t0 = min(e[3] for s in last for e in s["events"])
+        last = [{**s, "events": [(*e[:3], e[3] - t0, e[4] - t0) for e in s["events"]]} for s in last]
+        step = max(e[4] for s in last for e in s["events"])
+        bubble = 1 - statistics.mean(sum(b - a for _, _, _, a, b in s["events"]) / s["seconds"] for s in last)
     # each step's time is its slowest rank's; the first step (shape inference) is left out
     per_step = [max(s["seconds"] for s in same) for same in zip(*(r["steps"] for r in ranks))][1:]
     return {"schedule": schedule, "pp": p, "microbatches": m, "v": args.stages_per_rank,
             "step_seconds": step, "samples_per_sec": args.batch / statistics.median(per_step or [step]),
-            "bubble_measured": 1 - statistics.mean(busy) / step,
+            "bubble_measured": bubble,
             "bubble_on_paper": bubble_on_paper(schedule, p, m, args.stages_per_rank),
             "saved_MiB": [s["saved_peak_bytes"] / MIB for s in last],
             "timeline": [{"rank": r["pp_rank"], "events": s["events"]} for r, s in zip(ranks, last)]}
@@ -168,7 +186,7 @@ def driver(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="tiny_deep")
     p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
-    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=(*SCHEDULES, ASYNC))
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline sizes (ranks)")
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--stages_per_rank", type=int, default=2, help="interleaved_1f1b's stages per rank")

@@ -73,12 +73,15 @@ def test_layouts_measured_in_real_runs(data_dir, tmp_path):
     collective, parameters, gradients, optimizer state and saved activations exactly as predicted:
     a GPipe pipeline of 2 stages of tensor parallel 2 (transfers, micro-batches in flight), every
     block recomputed; context parallel's gathers and per-parameter gradient sums, every other
-    block recomputed; HSDP (FSDP's padding), 2 groups of 2 ranks."""
+    block recomputed; HSDP (FSDP's padding), 2 groups of 2 ranks; the asynchronous pipeline with
+    weight stashing (the first stage's forward recomputed in backward, one micro-batch's
+    activations at a time, the older weight version it held)."""
     yaml = write_test_yaml(tmp_path / "ViT.yaml")
     m = cm.Model.from_config(load_config(yaml, "tiny"))
     layouts = [cm.Layout(4, tp=2, pp=2, schedule="gpipe", checkpointing="full", batch=8),
                cm.Layout(2, cp=2, checkpointing="selective", batch=8),
-               cm.Layout(4, "hsdp", dp_shard=2, batch=8)]
+               cm.Layout(4, "hsdp", dp_shard=2, batch=8),
+               cm.Layout(2, pp=2, schedule="async_1f1b", stashing="stash", microbatches=2, batch=8)]
     for lay in layouts:
         flags = lay.flags() + [f"--data_dir={data_dir}", "--limit_nsamples=40"]
         records = measure_layout(lay.name, lay.ranks, flags, tmp_path / "runs", "tiny", str(yaml), steps=4)
@@ -142,8 +145,39 @@ def test_pipeline_bubble_and_overlap_in_the_time():
     m = cm.Model.from_config(tiny())
     few, many = (cm.step_time(m, cm.Layout(2, pp=2, microbatches=k), MACHINE) for k in (2, 8))
     assert few["pipeline bubble"] > many["pipeline bubble"] > 0  # (p - 1) / m of a step
+    # no flush, no bubble: the asynchronous pipeline fills once per run (and after a checkpoint)
+    for k in (2, 8):
+        assert "pipeline bubble" not in cm.step_time(m, cm.Layout(2, pp=2, microbatches=k,
+                                                                  schedule="async_1f1b"), MACHINE)
     hidden = cm.step_time(m, cm.Layout(2), {**MACHINE, "overlap": 1.0})
     assert hidden["communication"] < cm.step_time(m, cm.Layout(2), MACHINE)["communication"]
+
+
+def test_the_asynchronous_pipelines_weight_versions(cfg_factory):
+    """What the cost model says each of 4 stages holds (stash: p - s versions with one
+    micro-batch per step, 1 + ceil((p - 1 - s) / m) with m; vertical sync: p; 2BW: 2; none: 1)
+    is what the stages held at most: as tests/test_async_pipeline.py counts them in its runs of
+    each mode, and here with 2 micro-batches per step (4 stages in one process, 8 steps); and its
+    bytes are that many copies of the stage's parameters beyond the newest."""
+    from tests.test_async_pipeline import RULES, simulate
+
+    def predicted(mode, m):
+        lay = cm.Layout(4, pp=4, schedule="async_1f1b", stashing=mode, microbatches=m, batch=m)
+        return [cm.weight_versions(lay, s) for s in range(4)]
+
+    for mode, (m, _, versions) in RULES.items():
+        assert predicted(mode, m) == versions, mode
+    assert predicted("none", 1) == [1, 1, 1, 1]
+    cfg = cfg_factory(depth=4)
+    model = build_vit(cfg.model)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 20, 16, 32, generator=gen), torch.randn(2, 20, 16, 32, generator=gen))
+               for _ in range(8)]
+    for mode in ("stash", "vertical"):
+        engines = simulate(model, 4, mode, 2, batches)
+        assert [e.most_versions for e in engines] == predicted(mode, 2), mode
+    mem = cm.memory(cm.Model.from_config(cfg), cm.Layout(4, pp=4, schedule="async_1f1b", microbatches=1))
+    assert mem["weight versions"] == 3 * mem["parameters"]  # the first of 4 stages: 4 versions
 
 
 def test_the_attention_kernel_has_a_rate_of_its_own():

@@ -20,7 +20,8 @@ from utils.data_loader import ERA5Dataset
 
 VARIANT = os.environ.get("EXERCISE_VARIANT", "solution")
 NAMES = ("sample_index", "amp_step", "allreduce_grads", "compress_hook", "tp_mlp", "tp_mlp_split",
-         "grad_accum", "pipeline_balance", "lamb_trust", "dispatch", "zero_memory", "activation_memory")
+         "grad_accum", "pipeline_balance", "lamb_trust", "dispatch", "zero_memory", "activation_memory",
+         "pipedream_planner")
 
 
 def exercise(name: str, variant: str = VARIANT):
@@ -51,7 +52,7 @@ def test_shipped_exercises_are_unsolved(name, tmp_path):
     module = shipped_exercise(name, tmp_path)
     functions = ("locate", "amp_step", "average_gradients", "bf16_hook", "shard_mlp", "tp_mlp_forward",
                  "accumulate_gradients", "balance_stages", "lamb_update", "dispatch_plan",
-                 "zero_bytes_per_rank", "block_activation_bytes")
+                 "zero_bytes_per_rank", "block_activation_bytes", "plan_pipeline")
     fn = next(getattr(module, f) for f in functions if hasattr(module, f))
     with pytest.raises(NotImplementedError, match="exercise"):
         fn(*([None] * fn.__code__.co_argcount))
@@ -398,6 +399,48 @@ def test_pipeline_balance():
         assert largest == pytest.approx(_largest_stage_by_brute_force(costs, n_stages)), (costs, ranges)
     # the ViT's case: a heavy last layer (norm, head and loss) gets a stage of its own
     assert balance([1.0, 1.0, 1.0, 1.0, 1.0, 2.5], 3)[-1] == range(5, 6)
+
+
+def _best_plan_by_brute_force(module, times, activations, weights, workers, bandwidth) -> float:
+    """Every contiguous split into at most ``workers`` stages and every way to give each stage at
+    least one worker, all of them used: the smallest slowest part."""
+    import itertools
+
+    n, best = len(times), float("inf")
+    for k in range(1, min(n, workers) + 1):
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            bounds = (0, *cuts, n)
+            links = [module.transfer_time(activations, c - 1, bandwidth) for c in cuts]
+            for split in itertools.combinations(range(1, workers), k - 1):  # workers per stage
+                counts = [b - a for a, b in zip((0, *split), (*split, workers))]
+                stages = [module.stage_time(times, weights, a, b, r, bandwidth)
+                          for (a, b), r in zip(zip(bounds, bounds[1:]), counts)]
+                best = min(best, max(stages + links))
+    return best
+
+
+def test_pipedream_planner():
+    """PipeDream's planner against a search of every plan, on 60 random models of 2 to 6 layers
+    and 1 to 4 workers; the time it claims is its plan's; and the two extremes it must find."""
+    module = exercise("pipedream_planner")
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        n, workers = int(rng.integers(2, 7)), int(rng.integers(1, 5))
+        times, activations, weights = (list(rng.uniform(0.1, 3.0, size=n)) for _ in range(3))
+        bandwidth = float(rng.uniform(0.5, 8.0))
+        claimed, stages = module.plan_pipeline(times, activations, weights, workers, bandwidth)
+        assert [i for r, _ in stages for i in r] == list(range(n)), "contiguous, in order, all layers"
+        assert sum(w for _, w in stages) == workers and all(w >= 1 for _, w in stages), stages
+        actual = max([module.stage_time(times, weights, r.start, r.stop, w, bandwidth) for r, w in stages]
+                     + [module.transfer_time(activations, r.stop - 1, bandwidth) for r, _ in stages[:-1]])
+        assert claimed == pytest.approx(actual), "the time returned is not the plan's"
+        best = _best_plan_by_brute_force(module, times, activations, weights, workers, bandwidth)
+        assert claimed == pytest.approx(best), (times, activations, weights, workers, bandwidth, stages)
+    # light weights, heavy activations: no boundary pays, replicate one stage (data parallelism)
+    assert module.plan_pipeline([1.0] * 4, [100.0] * 4, [0.01] * 4, 4, 1.0)[1] == [(range(0, 4), 4)]
+    # heavy weights, light activations: no replica pays, one layer per worker (a pipeline)
+    assert module.plan_pipeline([1.0] * 4, [0.01] * 4, [100.0] * 4, 4, 1.0)[1] == [
+        (range(i, i + 1), 1) for i in range(4)]
 
 
 def test_lamb_trust():

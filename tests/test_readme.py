@@ -323,6 +323,14 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
         "--calibrate_ranks", "2", "--calibrate_calls", "4", "--calibrate_seconds", "0.05",
         "--only", "dp2", "--steps", "4",
         "--data_dir", str(runner.data_for("tiny"))],
+    "async_sgd.py": lambda runner: [  # 4 updates of batches of 16 samples
+        "--num_iters", "4", "--limit_nsamples", "32", "--limit_nsamples_val", "8", "--log_every", "2",
+        "--data_dir", str(runner.data_for("tiny")), "--expdir", str(runner.tmp / "logs")],
+    "async_report.py": lambda runner: [  # every part, each run 2 steps or 4 updates on 2 ranks
+        "--stages", "2", "--timeline_stages", "2", "--microbatches", "2", "--batch", "8",
+        "--pipeline_steps", "2", "--throughput_steps", "2", "--lrs", "0.001",
+        "--sgd_updates", "4", "--slow_ms", "20", "--val_samples", "8",
+        "--", "--limit_nsamples", "32", "--data_dir", str(runner.data_for("tiny"))],
     "hang_demo.py": lambda runner: ["--timeout", "1"],  # both cases; it fails if no rank is named
     "benchmark.py": lambda runner: [  # one rung, one step of batch 2 (the full ladder: test_ladder.py)
         "--data_dir", str(runner.data_for("small")), "--rungs", "baseline", "--steps", "1", "--batch", "2",

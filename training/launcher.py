@@ -235,6 +235,10 @@ def step_for(cfg: Config, script_step: type[EagerStep]) -> type[EagerStep]:
     asks for them (each imported only then), else the eager step."""
     if script_step is not EagerStep:
         return script_step
+    if cfg.pipeline_parallel > 1 and cfg.pipeline_schedule == "async_1f1b":
+        from training.async_pipeline import AsyncPipelineStep
+
+        return AsyncPipelineStep
     if cfg.pipeline_parallel > 1:
         from training.pipelined import PipelineStep
 

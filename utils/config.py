@@ -32,6 +32,7 @@ from utils.config_groups import (  # noqa: F401 (the choices are read from here 
     LR_SCHEDULES,
     OPTIMIZERS,
     PIPELINE_SCHEDULES,
+    WEIGHT_STASHING,
     DataConfig,
     MemoryConfig,
     ModelConfig,
@@ -146,6 +147,8 @@ def check_across(cfg: Config) -> None:
     check_experts(model, layout)
     if layout.pipeline_parallel > 1:
         check_pipeline_fits(model, optim, layout, memory)
+    if layout.pipeline_parallel > 1 and layout.pipeline_schedule == "async_1f1b":
+        check_async_pipeline(model, optim, layout, memory)
 
 
 def check_experts(model: ModelConfig, layout: ParallelConfig) -> None:
@@ -188,6 +191,33 @@ def check_pipeline_fits(model: ModelConfig, optim: OptimizerConfig, layout: Para
         raise ValueError("the zero_bubble schedule splits each backward into its input and weight "
                          "parts, which torch.compile'd blocks do not allow; use --no-enable_jit or "
                          "another schedule")
+
+
+def check_async_pipeline(model: ModelConfig, optim: OptimizerConfig, layout: ParallelConfig,
+                         memory: MemoryConfig) -> None:
+    """What the asynchronous schedule (distributed/async_pipeline.py) does not run: each stage
+    recomputes its forward in backward (so no dropout, whose masks would differ, and no compile
+    or checkpointing of its own), updates at its own time (so no norm over the whole model) and
+    is whole layers (no tensor parallelism); 2BW's two versions need p - 1 micro-batches a step."""
+    pp, m = layout.pipeline_parallel, layout.num_microbatches
+    if layout.weight_stashing == "2bw" and m < pp - 1:
+        raise ValueError(f"--weight_stashing 2bw keeps two weight versions only with at least "
+                         f"pipeline_parallel - 1 micro-batches per step (num_microbatches {m} < {pp - 1}); "
+                         f"use --num_microbatches {pp - 1} or more")
+    refused = [(layout.tensor_parallel > 1, "--tensor_parallel (its stages are whole layers here); use "
+                                            "--tensor_parallel 1"),
+               (model.dropout > 0, f"--dropout {model.dropout} (each stage recomputes its forward in "
+                                   f"backward, with other dropout masks); use --dropout 0"),
+               (optim.grad_clip_norm > 0, "--grad_clip_norm (the stages update at different times: there "
+                                          "is no whole-model gradient to clip); use --grad_clip_norm 0"),
+               (optim.enable_jit, "--enable_jit (the stages run with swapped weight versions); use "
+                                  "--no-enable_jit"),
+               (memory.activation_checkpointing != "none", "--activation_checkpointing (each stage already "
+                                                           "recomputes its forward); use "
+                                                           "--activation_checkpointing none")]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"the async_1f1b schedule does not run {what}")
 
 
 # Keys a resumed run may change (training/run_dir.py): how data is loaded, profiled, checkpointed,

@@ -26,7 +26,8 @@ DATA_PARALLEL = ("ddp", "zero1", "fsdp", "hsdp")
 GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 ENGINES = ("native", "deepspeed")  # deepspeed: training/deepspeed_engine.py
 ATTENTION_KERNELS = ("auto", "default", "flash", "efficient", "cudnn", "math")  # utils/attention.py
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "async_1f1b")
+WEIGHT_STASHING = ("none", "stash", "vertical", "2bw")  # async_1f1b: distributed/async_pipeline.py
 INTERLEAVED = ("interleaved_1f1b", "zero_bubble")  # schedules with several stages on each rank
 ADAM_BETAS = (0.9, 0.95)  # beta2 0.95, as the tutorial: steadier with large batches
 
@@ -244,7 +245,14 @@ class ParallelConfig(Group):
     pipeline_parallel: int = key(1, "pipeline stages: each rank holds a contiguous part of the "
                                     "transformer blocks and passes activations on")
     pipeline_schedule: str = key("1f1b", "order of the micro-batches' forward and backward passes on "
-                                 "each stage", choices=PIPELINE_SCHEDULES)
+                                 "each stage (async_1f1b: 1F1B with no flush between steps, each stage "
+                                 "updating its weights as soon as it can; see weight_stashing)",
+                                 choices=PIPELINE_SCHEDULES)
+    weight_stashing: str = key("stash", "async_1f1b: the weights a micro-batch's backward uses: none (the "
+                               "stage's newest: the wrong gradient), stash (the version its forward used, "
+                               "PipeDream), vertical (the version the first stage used, on every stage), "
+                               "2bw (PipeDream-2BW: the version before the newest, two kept)",
+                               choices=WEIGHT_STASHING)
     num_microbatches: int = key(4, "pipeline micro-batches the local batch is split into")
     stages_per_rank: int = key(2, "interleaved_1f1b and zero_bubble: pipeline stages (model chunks) "
                                   "on each rank")

@@ -1,0 +1,135 @@
+"""Asynchronous SGD (training/async_sgd.py, distributed/param_server.py) through its script,
+scripts/async_sgd.py, against train.py's serial SGD on the same test model and data.
+
+A parameter server with one trainer, and Hogwild's locked variant with one worker, are serial
+SGD to the bit (the same gradients, applied by the same optimizer, only in another process). With
+two trainers the server's updates are 1 version stale on average, and replaying its log of
+(trainer, version) in this process gives its final weights to the bit: what makes an
+asynchronous run testable. Synchronous DDP on 2 ranks is the serial run with the global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, make_cfg, subprocess_env
+from tests.ddp_helpers import metrics, run, run_dir, train_args, write_test_yaml
+from tests.test_sharded import ok
+from utils.checkpoint import CHECKPOINT_NAME
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS, BATCH = 12, 8
+SGD = {"optimizer_type": "SGD", "lr": 0.5, "limit_nsamples": 40, "limit_nsamples_val": 8}
+SCRIPT = str(REPO / "scripts" / "async_sgd.py")
+
+
+def async_sgd(ranks: int, yaml: Path, data_dir: Path, expdir: Path,
+              *flags: str) -> subprocess.CompletedProcess:
+    args = train_args(yaml, data_dir, expdir, num_iters=STEPS, global_batch_size=BATCH, **SGD)
+    args = [a for a in args if not a.startswith("--checkpoint_every")] + ["--log_every=4", *flags]
+    launch = [sys.executable] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    return subprocess.run(launch + [SCRIPT, *args], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=240)
+
+
+def weights(folder: Path, name: str = "weights.pt") -> dict[str, torch.Tensor]:
+    return torch.load(folder / name, weights_only=False)["model"]
+
+
+@pytest.fixture(scope="module")
+def yaml(tmp_path_factory) -> Path:
+    return write_test_yaml(tmp_path_factory.mktemp("async_sgd") / "ViT.yaml")
+
+
+@pytest.fixture(scope="module")
+def serial(yaml, data_dir, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """train.py: 12 steps of SGD (momentum 0.9) on batches of 8, the learning rate's cosine."""
+    expdir = tmp_path_factory.mktemp("serial_sgd")
+    ok(run(1, train_args(yaml, data_dir, expdir, num_iters=STEPS, global_batch_size=BATCH, **SGD)))
+    return weights(run_dir(expdir, 1), CHECKPOINT_NAME)
+
+
+@pytest.mark.parametrize("ranks, mode", [(2, "server"), (1, "locked")])
+def test_one_worker_is_serial_sgd_to_the_bit(ranks, mode, serial, yaml, data_dir, tmp_path):
+    flags = ["--mode", mode] + (["--workers", "1"] if mode == "locked" else [])
+    ok(async_sgd(ranks, yaml, data_dir, tmp_path, *flags))
+    folder = tmp_path / "tiny" / f"{mode}_1w" / "00"
+    got = weights(folder)
+    assert all(torch.equal(got[n], serial[n]) for n in serial)
+    assert [m["step"] for m in metrics(folder)] == [4, 8, 12] and "val_loss" in metrics(folder)[-1]
+
+
+def test_two_trainers_are_one_version_stale_and_replay_exactly(yaml, data_dir, tmp_path):
+    """Each update finds the other trainer busy with weights it has just made older, one version
+    more: the staleness of the 12 updates and what the gradient still in flight at the end had
+    gathered (12 - its version; the trainer of the last update is told to stop instead) add up
+    to exactly (2 - 1) x 12, a mean of 1 less that end's share, whatever the two trainers' speeds
+    (the operating system's, here). The log, replayed in this process: the server's weights to
+    the bit."""
+    from training.async_sgd import replay
+
+    ok(async_sgd(3, yaml, data_dir, tmp_path, "--mode", "server"))
+    folder = tmp_path / "tiny" / "server_2w" / "00"
+    log = json.loads((folder / "updates.json").read_text())
+    applied = [(t, v, s) for t, v, s, used in log if used]
+    dropped = [(t, v, s) for t, v, s, used in log if not used]
+    assert len(applied) == STEPS and sorted([applied[-1][0]] + [t for t, _, _ in dropped]) == [1, 2]
+    assert [s for _, _, s in applied] == [i - v for i, (_, v, _) in enumerate(applied)]
+    assert sum(s for _, _, s in applied) + sum(STEPS - v for _, v, _ in dropped) == (2 - 1) * STEPS
+    assert metrics(folder)[-1]["staleness_mean"] == pytest.approx(
+        sum(s for _, _, s in applied[-4:]) / 4)  # the metrics' last record: the last 4 updates
+    cfg = make_cfg(data_dir, tmp_path, global_batch_size=BATCH, num_iters=STEPS, warmup=0,
+                   **{k: v for k, v in SGD.items() if k != "limit_nsamples_val"})
+    model, _ = replay(cfg, [(t, v) for t, v, _ in applied], trainers=2)
+    got = weights(folder)
+    assert all(torch.equal(p.detach(), got[n]) for n, p in model.named_parameters())
+
+
+def test_replay_without_staleness_is_serial_sgd(serial, data_dir, tmp_path):
+    """``--mode delayed``'s rule with staleness 0, in this process: train.py's weights to the bit;
+    with staleness 3 it is another optimizer."""
+    from training.async_sgd import replay
+
+    cfg = make_cfg(data_dir, tmp_path, global_batch_size=BATCH, num_iters=STEPS, warmup=0,
+                   **{k: v for k, v in SGD.items() if k != "limit_nsamples_val"})
+    fresh, _ = replay(cfg, [(1, t) for t in range(STEPS)], trainers=1)
+    assert all(torch.equal(p.detach(), serial[n]) for n, p in fresh.named_parameters())
+    stale, _ = replay(cfg, [(1, max(0, t - 3)) for t in range(STEPS)], trainers=1)
+    assert any(not torch.allclose(p.detach(), serial[n], atol=1e-4) for n, p in stale.named_parameters())
+
+
+def test_ddp_is_serial_sgd_with_the_global_batch(serial, yaml, data_dir, tmp_path):
+    """2 ranks of 4 samples, gradients averaged: the serial run's batches of 8, within fp32
+    rounding (the average of two half-batch means is summed in another order)."""
+    ok(async_sgd(2, yaml, data_dir, tmp_path, "--mode", "ddp"))
+    got = weights(tmp_path / "tiny" / "ddp_2w" / "00")
+    for name in serial:
+        torch.testing.assert_close(got[name], serial[name], rtol=1e-4, atol=1e-6)
+
+
+def test_hogwild_workers_update_one_shared_model(yaml, data_dir, tmp_path):
+    """Two processes, no lock: every update of both lands in the parent's model (12 in all), and
+    the model trains (its validation loss ends below the first updates' training loss)."""
+    ok(async_sgd(1, yaml, data_dir, tmp_path, "--mode", "hogwild", "--workers", "2"))
+    logged = metrics(tmp_path / "tiny" / "hogwild_2w" / "00")
+    assert logged[-1]["step"] == STEPS and weights(tmp_path / "tiny" / "hogwild_2w" / "00")
+    assert logged[-1]["val_loss"] < logged[0]["train_loss"]
+
+
+@pytest.mark.parametrize("ranks, flags, message", [
+    (1, ["--mode", "server"], "--mode server runs on ranks: start it with torchrun"),
+    (1, ["--mode", "hogwild", "--workers", "3"], "does not split over 3 worker"),
+    (1, ["--mode", "delayed", "--staleness", "-1"], "--staleness and --slow_ms must be 0 or more"),
+])
+def test_mistakes_are_one_line(ranks, flags, message, yaml, data_dir, tmp_path):
+    result = async_sgd(ranks, yaml, data_dir, tmp_path, *flags)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr
+    assert "Traceback" not in result.stderr

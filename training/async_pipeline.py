@@ -1,0 +1,118 @@
+"""The step with an asynchronous pipeline (``--pipeline_schedule async_1f1b`` in train_mp.py).
+
+What changes against training/pipelined.py's flushed pipeline:
+
+- a training step pushes the step's micro-batches into a pipeline that is never emptied
+  (distributed/async_pipeline.py): each stage runs the backwards of micro-batches that entered
+  earlier and steps the optimizer as soon as a step's gradient is complete on it, with the
+  weights ``--weight_stashing`` names. The learning-rate schedule still advances once per
+  training step;
+- nothing makes the stages wait for each other between steps: the last stage's loss reaches
+  the others without waiting, and the loop is given it (summed) only where it reads its sum
+  (:meth:`AsyncPipelineStep.loss_read_after`), once every few steps;
+- a checkpoint first drains the pipeline (every micro-batch in flight through its backward and
+  update), then is written as a flushed pipeline's: consolidated, in the serial model's names.
+  A resumed run starts with an empty pipeline, as the run it continues did after the drain, so
+  it continues exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from distributed import async_pipeline
+from distributed.parallelize import parallelize, serial_values
+from networks.vit import build_vit, count_parameters
+from training.context import RunContext
+from training.pipelined import PipelineState, PipelineStep
+from utils import device as dev
+from utils.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class AsyncPipelineState(PipelineState):
+    """A flushed pipeline's checkpoint, written after the drain."""
+
+    def state_dict(self) -> dict[str, Any]:
+        model = self.trainer.model
+        if model.unshared:  # the loop's part of this checkpoint holds a loss sum without them
+            raise RuntimeError("a checkpoint after a step whose loss was not shared: "
+                               "AsyncPipelineStep.loss_read_after must name this step")
+        model.drain()
+        return super().state_dict()
+
+
+class AsyncPipelineStep(PipelineStep):
+    state_class = AsyncPipelineState
+
+    @classmethod
+    def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
+        super().check(cfg, ctx, local_batch)
+        if ctx is not None and ctx.mesh.dp_size > 1:  # ctx None: the launcher's check before the mesh
+            raise ValueError(f"the async_1f1b schedule runs one pipeline here, not {ctx.mesh.dp_size} side "
+                             f"by side; start as many ranks as --pipeline_parallel {cfg.pipeline_parallel}")
+
+    def build_model(self) -> async_pipeline.AsyncPipeline:
+        t = self.trainer
+        with torch.device("meta"):  # each stage allocates only itself
+            serial = build_vit(t.cfg.model)
+        t.n_params = count_parameters(serial)
+        self.serial_names = [name for name, _ in serial.named_parameters()]
+        values = serial_values(serial, t.cfg.seed)
+        cfg, mesh = t.cfg, t.ctx.mesh
+
+        def parallel_stage(stage: torch.nn.Module) -> torch.nn.Module:
+            return parallelize(stage, mesh, t.device, cfg.layout, cfg.memory, cfg.optim, cfg.seed, values)
+
+        model = async_pipeline.build(serial, mesh, cfg.layout, t.device, parallel_stage,
+                                     self.micro_batch_loss)
+        model.update = self.stage_update
+        engine = model.engine
+        log.info("asynchronous 1F1B, weight_stashing %s: stage %d keeps %d micro-batch(es) in flight "
+                 "beyond the newest", t.cfg.weight_stashing, engine.stage, engine.depth)
+        return model
+
+    def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
+        """The step's loss is added up by the loop once the stages have shared it (after the steps
+        :meth:`loss_read_after` names; zero after the others, whose losses come with the next)."""
+        t = self.trainer
+        if t.epoch_steps == 0 and t.model.unshared:  # an epoch was closed without them
+            raise RuntimeError("an epoch ended after a step whose loss was not shared: "
+                               "AsyncPipelineStep.loss_read_after must name that step")
+        with dev.nvtx_range("asynchronous pipeline"), self.compute():
+            # the stage's updates happen inside (stage_update)
+            loss = t.model.step(inp, tar, share=self.loss_read_after(t.step + 1))
+        with warnings.catch_warnings():  # the schedule follows the training steps, which the first
+            # stages' warm-up takes before their first update: torch's warning is for a mistake
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            t.scheduler.step()
+        return loss
+
+    def loss_read_after(self, done: int) -> bool:
+        """Whether the loop reads the losses it added up after ``done`` steps: at an epoch's end, a
+        checkpoint, the last step, and where a stop signal can end training (the stop agreement
+        asks every ``stop_check_every`` steps and reads the answer a step later)."""
+        cfg = self.trainer.cfg
+        every = cfg.stop_check_every
+        return (done % self.trainer.train_data.batches_per_epoch == 0 or done >= cfg.num_iters
+                or bool(cfg.checkpoint_every) and done % cfg.checkpoint_every == 0
+                or every == 1 or done % every == 1)
+
+    def held_bytes(self) -> dict[str, int]:
+        """What EagerStep counts, and the older weight versions: the most the stage held at once."""
+        held = super().held_bytes()
+        held["weight_versions"] = (self.trainer.model.engine.most_versions - 1) * held["parameters"]
+        return held
+
+    def stage_update(self) -> None:
+        """The stage's optimizer step, when a step's gradient is complete on it."""
+        t = self.trainer
+        t.mark("optimizer step")
+        with dev.nvtx_range("optimizer"):
+            t.optimizer.step()
+            t.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,392 @@
+"""Asynchronous SGD on the course's model, against synchronous data parallelism.
+
+    python scripts/async_sgd.py --config tiny --mode hogwild --workers 2
+    torchrun --standalone --nproc_per_node 3 scripts/async_sgd.py --config tiny --mode server
+
+Every mode trains the serial ViT from the seed with the configuration's optimizer and learning-
+rate schedule (counted in updates), one update per batch of global_batch_size / workers samples:
+
+- ``hogwild``: worker processes share one model in shared memory, each with its own optimizer
+  and data shard and one thread, and update it with no lock (Recht et al., 2011; as
+  pytorch/examples' mnist_hogwild): a gradient may be computed on weights another worker is
+  writing;
+- ``locked``: the same with every optimizer step under one lock: each update writes whole
+  weights, its gradient may still be stale;
+- ``ddp``: synchronous data parallelism (torchrun): every step waits for every rank;
+- ``server``: a parameter server (torchrun: rank 0 serves, the others train;
+  distributed/param_server.py);
+- ``delayed``: one process; update t uses the gradient at the weights ``--staleness`` s updates
+  old, W(t + 1) = W(t) - lr grad f_t(W(t - s)): asynchronous SGD's rule with a fixed staleness,
+  replayed as a server's log would be (:func:`replay`).
+
+``--slow_rank R --slow_ms MS`` makes one worker a straggler (it sleeps before each gradient).
+Each run writes RUN_DIR/metrics.jsonl (a record per ``--log_every`` updates: updates so far,
+training loss, samples/s, staleness; the last also the validation loss), RUN_DIR/weights.pt
+(the final weights) and, for the server, RUN_DIR/updates.json (each gradient's trainer, version,
+staleness and whether it was applied, in the order received: :func:`replay` reproduces the run
+from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.utils import parameters_to_vector
+
+from distributed import param_server
+from distributed.env import all_reduce_sum, init_distributed, parse_env
+from networks.vit import ViT, build_vit
+from training import validation
+from training.launcher import arg_parser, exit_now, resolve_config, setup_logging
+from training.schedule import make_lr_lambda
+from training.trainer import optimizer_choice
+from utils import attention
+from utils import checkpoint as ckpt
+from utils import device as dev
+from utils.config import Config
+from utils.data_loader import get_data_loader
+from utils.metrics import latitude_weights, relative_l2_loss
+
+log = logging.getLogger(__name__)
+
+MODES = ("hogwild", "locked", "ddp", "server", "delayed")
+CPU = torch.device("cpu")
+
+
+# ------------------------------------------------------------ what every mode shares ---
+def build_model(cfg: Config) -> ViT:
+    """The serial ViT with the weights every run of the course starts from."""
+    model = build_vit(cfg.model)
+    model.reset_parameters(torch.Generator().manual_seed(cfg.seed))
+    return model
+
+
+def make_optimizer(cfg: Config, params: Any) -> tuple[torch.optim.Optimizer, Any]:
+    optimizer_class, options = optimizer_choice(cfg, dev.adam_kernel(cfg.enable_fused))
+    optimizer = optimizer_class(params, **options)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, make_lr_lambda(cfg.optim))
+
+
+def batches(cfg: Config, local_batch: int, shards: int = 1, shard: int = 0) -> Iterator[Any]:
+    """One worker's training batches, epoch after epoch, as train.py's data-parallel rank ``shard``
+    of ``shards`` reads them."""
+    loader, _, sampler = get_data_loader(cfg, "train", local_batch, True, num_shards=shards, shard_id=shard)
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        yield from loader
+
+
+class Worker:
+    """Computes gradients on its own batches: train.py's forward, loss and backward (its
+    precision and attention kernel), into ``model``'s ``.grad``."""
+
+    def __init__(self, cfg: Config, model: torch.nn.Module, data: Iterator[Any], slow_s: float = 0.0) -> None:
+        self.cfg, self.model, self.data, self.slow_s = cfg, model, data, slow_s
+        dtype = dev.AMP_DTYPES[cfg.amp_mode] or torch.float32
+        self.kernel = attention.choose(cfg.attention_kernel, CPU, dtype, attention.call_shape(cfg, 1)[1])
+
+    def gradient(self) -> float:
+        inp, tar = next(self.data)
+        if self.slow_s:  # a straggler, on purpose
+            time.sleep(self.slow_s)
+        with dev.autocast(CPU, self.cfg.amp_mode), attention.kernel(self.kernel):
+            pred = self.model(inp)
+        loss = relative_l2_loss(pred.float(), tar)
+        loss.backward()
+        return loss.item()
+
+
+def flat_grad(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+@torch.no_grad()
+def set_flat(params: list[torch.nn.Parameter], flat: torch.Tensor, grad: bool = False) -> None:
+    """Copy a flat vector (parameters_to_vector's order) into the parameters, or their gradients."""
+    offset = 0
+    for p in params:
+        piece = flat[offset: offset + p.numel()].view_as(p)
+        if grad:
+            p.grad = piece.clone()
+        else:
+            p.copy_(piece)
+        offset += p.numel()
+
+
+# ------------------------------------------------------------ Hogwild, with or without a lock ---
+def hogwild_worker(cfg: Config, model: ViT, rank: int, workers: int, lock: Any, count: Any, results: Any,
+                   ready: Any, slow_s: float) -> None:
+    """One process of a Hogwild run: its own optimizer on the shared weights, its own shard. The
+    run's updates are claimed from a shared counter, first come first served (a slow worker
+    makes fewer), whose number also sets the update's learning rate."""
+    torch.set_num_threads(1)
+    optimizer, _ = make_optimizer(cfg, model.parameters())
+    factor = make_lr_lambda(cfg.optim)
+    worker = Worker(cfg, model, batches(cfg, cfg.global_batch_size // workers, workers, rank), slow_s)
+    ready.wait()  # every worker set up: the clock starts
+    while True:
+        with count.get_lock():
+            if count.value >= cfg.num_iters:
+                break
+            number = count.value
+            count.value += 1
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * factor(number)
+        loss = worker.gradient()
+        with lock or contextlib.nullcontext():
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        results.put((rank, loss, time.perf_counter()))
+
+
+def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
+    torch.set_num_threads(1)  # before any work: the workers are forked from this process
+    model = build_model(cfg)
+    model.share_memory()  # the workers' updates land in this process's model
+    ctx = mp.get_context("fork")
+    lock = ctx.Lock() if args.mode == "locked" else None
+    count, results, ready = ctx.Value("i", 0), ctx.Queue(), ctx.Barrier(args.workers + 1)
+    procs = [ctx.Process(target=hogwild_worker,
+                         args=(cfg, model, w, args.workers, lock, count, results, ready, slow(args, w)))
+             for w in range(args.workers)]
+    for p in procs:
+        p.start()
+    ready.wait(timeout=cfg.collective_timeout_s)
+    start = time.perf_counter()
+    done = [results.get(timeout=cfg.collective_timeout_s) for _ in range(cfg.num_iters)]
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        log.error("a worker failed (exit codes %s)", [p.exitcode for p in procs])
+        return 1
+    updates = [{"trainer": w, "loss": loss, "seconds": t - start} for w, loss, t in done]
+    finish(cfg, args, run_dir, model, updates, cfg.global_batch_size // args.workers)
+    return 0
+
+
+# ------------------------------------------------------------ synchronous: DDP ---
+def run_ddp(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(cfg)
+    ddp = DistributedDataParallel(model)  # averages the gradients over the ranks in backward
+    optimizer, scheduler = make_optimizer(cfg, model.parameters())
+    local = cfg.global_batch_size // world
+    worker = Worker(cfg, ddp, batches(cfg, local, world, rank), slow(args, rank))
+    dist.barrier()  # every rank set up: the clock starts
+    start, updates = time.perf_counter(), []
+    for _ in range(cfg.num_iters):
+        loss = torch.tensor(worker.gradient())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        updates.append({"trainer": rank, "loss": all_reduce_sum(loss).item() / world,
+                        "seconds": time.perf_counter() - start})
+    if rank == 0:  # one update of the global batch per step
+        finish(cfg, args, run_dir, model, updates, cfg.global_batch_size)
+    return 0
+
+
+# ------------------------------------------------------------ the parameter server ---
+def run_server(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
+    rank, trainers = dist.get_rank(), list(range(1, dist.get_world_size()))
+    model = build_model(cfg)
+    params = list(model.parameters())
+    local = cfg.global_batch_size // len(trainers)
+    if rank != 0:
+        worker = Worker(cfg, model, batches(cfg, local, len(trainers), rank - 1), slow(args, rank))
+        dist.barrier()  # every rank set up: the server's clock starts
+
+        def gradient(weights: torch.Tensor) -> tuple[torch.Tensor, float]:
+            set_flat(params, weights)
+            loss = worker.gradient()
+            grad = flat_grad(params)
+            model.zero_grad(set_to_none=True)
+            return grad, loss
+
+        param_server.work(parameters_to_vector(params).detach(), gradient)
+        return 0
+    optimizer, scheduler = make_optimizer(cfg, params)
+    dist.barrier()
+
+    def apply(grad: torch.Tensor) -> torch.Tensor:
+        set_flat(params, grad, grad=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        return parameters_to_vector(params).detach()
+
+    received = param_server.serve(parameters_to_vector(params).detach(), apply, trainers, cfg.num_iters)
+    (run_dir / "updates.json").write_text(json.dumps(
+        [[u.trainer, u.version, u.staleness, u.applied] for u in received]))
+    updates = [{"trainer": u.trainer, "loss": u.loss, "seconds": u.seconds, "staleness": u.staleness}
+               for u in received if u.applied]
+    finish(cfg, args, run_dir, model, updates, local)
+    return 0
+
+
+# ------------------------------------------------------------ replay, fixed staleness ---
+def replay(cfg: Config, log_: list[tuple[int, int]], trainers: int) -> tuple[ViT, list[float]]:
+    """A server's run in one process, from its log: for each (trainer, version) in the order the
+    server applied them, trainer's next batch's gradient at the weights of that version, applied
+    to the newest weights. Trainer r (1 .. ``trainers``) reads data shard r - 1, as in the run.
+    Keeps only the versions a later entry of the log still uses."""
+    server, at = build_model(cfg), build_model(cfg)  # the newest weights; where gradients are computed
+    params, at_params = list(server.parameters()), list(at.parameters())
+    optimizer, scheduler = make_optimizer(cfg, params)
+    local = cfg.global_batch_size // trainers
+    workers = {r: Worker(cfg, at, batches(cfg, local, trainers, r - 1)) for r in {r for r, _ in log_}}
+    last_use = {version: i for i, (_, version) in enumerate(log_)}
+    versions = {0: parameters_to_vector(params).detach().clone()}
+    losses = []
+    for i, (trainer, version) in enumerate(log_):
+        set_flat(at_params, versions[version])
+        losses.append(workers[trainer].gradient())
+        set_flat(params, flat_grad(at_params), grad=True)
+        at.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        versions[i + 1] = parameters_to_vector(params).detach().clone()
+        versions = {v: w for v, w in versions.items() if last_use.get(v, -1) > i}
+    return server, losses
+
+
+def run_delayed(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
+    torch.set_num_threads(1)
+    made_up = [(1, max(0, t - args.staleness)) for t in range(cfg.num_iters)]
+    start = time.perf_counter()
+    model, losses = replay(cfg, made_up, trainers=1)
+    seconds = (time.perf_counter() - start) / len(losses)
+    updates = [{"trainer": 1, "loss": loss, "seconds": (i + 1) * seconds, "staleness": min(i, args.staleness)}
+               for i, loss in enumerate(losses)]
+    finish(cfg, args, run_dir, model, updates, cfg.global_batch_size)
+    return 0
+
+
+# ------------------------------------------------------------ what a run writes ---
+def slow(args: argparse.Namespace, worker: int) -> float:
+    return args.slow_ms / 1000 if worker == args.slow_rank else 0.0
+
+
+def records(updates: list[dict[str, Any]], samples_per_update: int, every: int) -> list[dict[str, Any]]:
+    """A metrics record per ``every`` updates (in the order they were applied)."""
+    out, before = [], 0.0
+    for k, first in enumerate(range(0, len(updates), every)):
+        part = updates[first: first + every]
+        seconds = part[-1]["seconds"] - before
+        before = part[-1]["seconds"]
+        record = {"epoch": k + 1, "step": first + len(part),
+                  "train_loss": sum(u["loss"] for u in part) / len(part),
+                  "samples_per_sec": len(part) * samples_per_update / seconds if seconds > 0 else None,
+                  "epoch_seconds": seconds}
+        if "staleness" in part[0]:
+            record["staleness_mean"] = sum(u["staleness"] for u in part) / len(part)
+            record["staleness_max"] = max(u["staleness"] for u in part)
+        out.append(record)
+    return out
+
+
+def finish(cfg: Config, args: argparse.Namespace, run_dir: Path, model: ViT, updates: list[dict[str, Any]],
+           samples_per_update: int) -> None:
+    """Validate the final weights; write metrics.jsonl and weights.pt."""
+    loader, _, _ = get_data_loader(cfg, "valid", cfg.global_batch_size, False)
+    model.eval()
+    val = validation.evaluate(model, iter(loader), cfg.n_out_channels, latitude_weights(cfg.img_size[0], CPU))
+    rows = records(updates, samples_per_update, args.log_every)
+    by_worker: dict[str, int] = {}
+    for u in updates:
+        by_worker[str(u["trainer"])] = by_worker.get(str(u["trainer"]), 0) + 1
+    rows[-1].update(val_loss=val["loss"], rmse=val["rmse"], run_seconds=updates[-1]["seconds"],
+                    run_samples_per_sec=len(updates) * samples_per_update / updates[-1]["seconds"],
+                    updates_by_worker=by_worker)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    ckpt.save_atomic({"model": {n: p.detach().clone() for n, p in model.named_parameters()},
+                      "step": len(updates)}, run_dir / "weights.pt")
+    for r in rows:
+        stale = f", staleness {r['staleness_mean']:.2f} (at most {r['staleness_max']})" \
+            if "staleness_mean" in r else ""
+        rate = f"{r['samples_per_sec']:.1f}" if r["samples_per_sec"] else "-"
+        log.info("updates %d: train loss %.6f, %s samples/s%s", r["step"], r["train_loss"], rate, stale)
+    log.info("%s: %d updates in %.1f s, val loss %.6f; metrics in %s", args.mode, len(updates),
+             updates[-1]["seconds"], val["loss"], run_dir / "metrics.jsonl")
+
+
+# ------------------------------------------------------------ the command line ---
+RUNS = {"hogwild": run_hogwild, "locked": run_hogwild, "ddp": run_ddp, "server": run_server,
+        "delayed": run_delayed}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = arg_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--mode", required=True, choices=MODES, help="see scripts/async_sgd.py --help's text")
+    p.add_argument("--workers", type=int, default=2, help="hogwild, locked: processes sharing the model")
+    p.add_argument("--staleness", type=int, default=0, help="delayed: updates between the weights a "
+                   "gradient is computed at and the weights it updates")
+    p.add_argument("--slow_rank", type=int, default=None, help="the worker (hogwild: 0 .. workers - 1; "
+                   "torchrun modes: the rank) that sleeps --slow_ms before each gradient")
+    p.add_argument("--slow_ms", type=float, default=0.0)
+    p.add_argument("--log_every", type=int, default=20, help="updates per metrics record")
+    return p
+
+
+def run_dir_of(cfg: Config, args: argparse.Namespace, world: int) -> Path:
+    """logs/CONFIG/MODE/RUN: 'server_2w' (2 trainers), 'hogwild_2w', 'ddp_2w', 'delayed_s3'."""
+    workers = {"server": world - 1, "ddp": world}.get(args.mode, args.workers)
+    name = f"delayed_s{args.staleness}" if args.mode == "delayed" else f"{args.mode}_{workers}w"
+    if args.slow_rank is not None and args.slow_ms:
+        name += f"_slow{args.slow_rank}"
+    return cfg.exp_path / args.config / name / (args.run_num or "00")
+
+
+def check(cfg: Config, args: argparse.Namespace, world: int) -> None:
+    """One-line refusals of what the mode cannot run."""
+    launched = args.mode in ("ddp", "server")
+    if launched and world < 2:
+        least = "a server and 1 trainer at least" if args.mode == "server" else "2 ranks"
+        raise ValueError(f"--mode {args.mode} runs on ranks: start it with torchrun --nproc_per_node 2 or "
+                         f"more ({least})")
+    if not launched and world > 1:
+        raise ValueError(f"--mode {args.mode} starts its own processes: run it with python, not torchrun")
+    workers = {"server": world - 1, "ddp": world, "delayed": 1}.get(args.mode, args.workers)
+    if workers < 1 or cfg.global_batch_size % workers:
+        raise ValueError(f"global_batch_size {cfg.global_batch_size} does not split over {workers} "
+                         f"worker(s); choose a number of workers that divides it")
+    if args.staleness < 0 or args.log_every < 1 or args.slow_ms < 0:
+        raise ValueError("--staleness and --slow_ms must be 0 or more, --log_every at least 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    env = parse_env()
+    setup_logging(env.rank)
+    try:
+        cfg = resolve_config(args)
+        check(cfg, args, env.world_size)
+        run_dir = run_dir_of(cfg, args, env.world_size)
+        if (run_dir / "metrics.jsonl").exists():
+            raise ValueError(f"{run_dir} holds a finished run; pass another --run_num")
+    except ValueError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return exit_now(2)
+    dev.set_cpu_threads(env.local_world_size)
+    init_distributed(env, CPU, cfg.collective_timeout_s, cfg.rendezvous_timeout_s, "gloo")
+    if env.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        setup_logging(0, run_dir / "out.log")
+    log.info("%s on %d process(es): %s", args.mode, max(env.world_size, args.workers), run_dir)
+    return exit_now(RUNS[args.mode](cfg, args, run_dir))
