@@ -98,11 +98,16 @@ class PipelineStep(EagerStep):
         values = serial_values(serial, t.cfg.seed)
         model = pipeline.build(serial, t.ctx.mesh, t.cfg, t.device,
                                lambda stage: parallelize(stage, t.ctx.mesh, t.cfg, t.device, values),
-                               self.micro_batch_loss)
+                               self.micro_batch_loss, **self.stage_layout())
         log.info("%s; this rank holds stages %s: %d of the model's %d parameters",
                  t.ctx.mesh.describe(), model.stage_ids, sum(p.numel() for p in model.parameters()),
                  t.n_params)
         return model
+
+    def stage_layout(self) -> dict[str, Any]:
+        """pipeline.build's ``ranges`` (each stage's blocks) and ``prefix`` (frozen first blocks),
+        when a variant chooses them (training/freezing.py); the even split otherwise."""
+        return {}
 
     def micro_batch_loss(self, pred: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         return self.trainer.loss_fn(pred.float(), tar)

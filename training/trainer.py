@@ -232,6 +232,17 @@ class EagerStep:
     def run_started(self) -> None:
         """The run directory is locked and training starts (DeepSpeed writes its config here)."""
 
+    def epoch_record(self) -> dict[str, Any]:
+        """Keys this step adds to the epoch's metrics record (training/freezing.py: the frozen
+        blocks of each step); it writes its own TensorBoard scalars."""
+        return {}
+
+    def next_layout(self) -> dict[str, Any] | None:
+        """None, or the config values (``pipeline_parallel``) of the layout this run must continue
+        in before its next step: training/freezing.py moves a pipeline to fewer stages as its
+        blocks freeze. The Trainer then checkpoints and stops; the launcher builds the next one."""
+        return None
+
     # the part of a checkpoint that holds the model and the optimizer: consolidated whole tensors
     # (training/state.py); a variant that holds them otherwise brings its own
     state_class: type[ModelState] = ModelState
@@ -288,6 +299,7 @@ class Trainer:
         self.writer: SummaryWriter | None = None
         self.stop_agreement = StopAgreement(self.device, cfg.stop_check_every)
         self.stopped_early = False  # a stop signal ended training before num_iters
+        self.next_layout: dict[str, Any] | None = None  # the layout the run continues in (launcher)
         self._steps_at_start = 0  # the step this process started from (set by fit)
         self.heartbeat = heartbeat()  # where this rank is, for the diagnosis of a hang
         if self.heartbeat is not None:
@@ -389,6 +401,9 @@ class Trainer:
             if self.stop_agreement.poll(self.step):
                 self.stopped_early = True
                 break
+            self.next_layout = self.variant.next_layout()
+            if self.next_layout is not None:
+                break
             if self.checkpoint_due() and not self.at_epoch_end():  # the epoch's last: after validation
                 self.save_checkpoint()
         return done
@@ -474,6 +489,7 @@ class Trainer:
         self.moe_stats = []
         if experts is not None:  # per layer: each expert's share of the assignments, dropped, aux loss
             extra["moe"] = experts.mean(dim=0).tolist()
+        extra.update(self.variant.epoch_record())
         if self.ctx.mesh.world_size > 1:  # DDP's gradient all-reduce (compressed or not)
             from distributed.tags import gradient_bytes
 
@@ -509,6 +525,9 @@ class Trainer:
                 log.info("this run already took all %d steps; to train again, pass another --run_num "
                          "(or --num_iters N to train it further)", self.cfg.num_iters)
                 return {}
+            self.next_layout = self.variant.next_layout()
+            if self.next_layout is not None:  # the checkpoint is past this layout: the launcher moves on
+                return {}
         self.variant.run_started()
         if self.ctx.is_main:
             checkpointing.remove_temp_files(self.ctx.run_dir)
@@ -525,7 +544,8 @@ class Trainer:
             dev.synchronize(self.device)
             start = time.time()
             steps = self.train_epoch(epoch, start_batch)
-            if not (self.stopped_early and not self.at_epoch_end()):  # a whole epoch: close it
+            interrupted = self.stopped_early or self.next_layout is not None
+            if not (interrupted and not self.at_epoch_end()):  # a whole epoch: close it
                 dev.synchronize(self.device)
                 seconds = time.time() - start
                 train_loss = self.finish_epoch_loss()
@@ -538,10 +558,14 @@ class Trainer:
                 log.warning("stop signal (%s): stopping at step %d of %d to checkpoint",
                             received() or "received by another rank", self.step, self.cfg.num_iters)
                 break
+            if self.next_layout is not None:
+                log.info("step %d: the run continues with %s, from a checkpoint", self.step,
+                         ", ".join(f"{k} {v}" for k, v in self.next_layout.items()))
+                break
             if self.checkpoint_due():  # a checkpoint on the epoch's last step, after validation
                 self.save_checkpoint()
         self.stop_agreement.drain()
-        if val or self.stopped_early or checkpointing.find(self.ctx.run_dir) is None:
+        if val or self.stopped_early or self.next_layout or checkpointing.find(self.ctx.run_dir) is None:
             self.save_checkpoint()
         if self.writer is not None:
             self.writer.close()

@@ -32,6 +32,7 @@ GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 ENGINES = ("native", "deepspeed")  # deepspeed: training/deepspeed_engine.py
 ATTENTION_KERNELS = ("auto", "default", "flash", "efficient", "cudnn", "math")  # utils/attention.py
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+FREEZE_SCHEDULES = ("none", "formula", "steps", "gradnorm")  # training/freezing.py
 ADAM_BETAS = (0.9, 0.95)  # beta2 0.95, as the tutorial: steadier with large batches
 
 
@@ -179,6 +180,28 @@ class Config:
                                                  "every forward", "data parallel")
     noddp: bool = key(False, "no gradient synchronisation: each rank trains alone (profiling "
                              "compute only)", "data parallel")
+    # freezing layers as training goes (training/freezing.py; PipeTransformer)
+    freeze_schedule: str = key("none", "freeze the embedding and the first blocks as training goes: none, "
+                               "formula (after e epochs ceil(depth (1 - (1 - freeze_alpha)^e)) blocks), "
+                               "steps (--freeze_steps) or gradnorm (per block, the change of its "
+                               "gradients' L1 norm between intervals)", "freezing", choices=FREEZE_SCHEDULES)
+    freeze_alpha: float = key(1 / 3, "formula: the share of the still active blocks frozen after each "
+                                     "epoch (1/3 conservative, 1/2 PipeTransformer's CIFAR-100 runs)",
+                              "freezing")
+    freeze_every: int = key(0, "formula: steps per epoch of the formula; gradnorm: steps per interval "
+                               "(0: the data's epoch)", "freezing")
+    freeze_steps: tuple[int, ...] = key((), "steps: the step (0-based) at which each further block "
+                                            "freezes: the i-th entry freezes block i (the first also "
+                                            "the embedding)", "freezing")
+    freeze_order: str = key("first", "which blocks freeze: first (the earliest, in order) or random "
+                                     "(a control: as many blocks drawn from the seed)", "freezing",
+                            choices=("first", "random"))
+    freeze_cache_MiB: float = key(0.0, "memory for the frozen blocks' output per sample, kept for the "
+                                       "next epochs (0: no cache; samples beyond it are recomputed)",
+                                  "freezing")
+    freeze_repipeline: bool = key(True, "with pipeline stages: re-cut them as blocks freeze, and once "
+                                        "the active blocks fit on half the stages, continue on half "
+                                        "the stages with twice the data-parallel ranks", "freezing")
     # run
     expdir: str = key("/logs", "root of the run directories", "run")
     seed: int = key(0, "random seed (weights, data order, dropout)", "run")
@@ -231,6 +254,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",
     "dp_shard", "cpu_offload", "engine", "zero_stage",
     "pipeline_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",
+    "freeze_cache_MiB", "freeze_repipeline",
 })
 
 FIELDS = tuple(typing.get_type_hints(Config))

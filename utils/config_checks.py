@@ -34,6 +34,8 @@ def _type_ok(value: Any, hint: Any) -> bool:
         return value is None
     if origin is tuple:
         args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]: any length
+            return isinstance(value, tuple) and all(_type_ok(v, args[0]) for v in value)
         return (
             isinstance(value, tuple)
             and len(value) == len(args)
@@ -70,6 +72,7 @@ def _check_values(cfg: Config) -> None:
     _check_pipeline(cfg)
     _check_sequence_parallel(cfg)
     _check_experts(cfg)
+    _check_freezing(cfg)
     if cfg.bucket_cap_mb <= 0:
         raise ValueError(f"config key 'bucket_cap_mb' must be positive, got {cfg.bucket_cap_mb}")
     _check_schedule(cfg)
@@ -302,6 +305,53 @@ def _check_pipeline(cfg: Config) -> None:
         raise ValueError("the zero_bubble schedule splits each backward into its input and weight "
                          "parts, which torch.compile'd blocks do not allow; use --no-enable_jit or "
                          "another schedule")
+
+
+def _check_freezing(cfg: Config) -> None:
+    """Freezing (training/freezing.py) changes which parameters train while the run goes: the
+    layouts whose gradients are reduced or split other than by DDP and pipeline stages keep
+    every parameter in their own bookkeeping, and are refused."""
+    steps = cfg.freeze_steps
+    if not 0.0 < cfg.freeze_alpha <= 1.0 or cfg.freeze_every < 0 or cfg.freeze_cache_MiB < 0:
+        raise ValueError(f"config keys freeze_alpha (in (0, 1]), freeze_every and freeze_cache_MiB (0 or "
+                         f"more) are {cfg.freeze_alpha}, {cfg.freeze_every} and {cfg.freeze_cache_MiB}")
+    if (cfg.freeze_schedule == "steps") != bool(steps):
+        raise ValueError("--freeze_steps (the step at which each further block freezes) goes with "
+                         "--freeze_schedule steps, and that schedule needs it: give both or neither")
+    if any(s < 0 for s in steps) or list(steps) != sorted(steps) or len(steps) > cfg.depth:
+        raise ValueError(f"--freeze_steps {' '.join(map(str, steps))}: give at most depth ({cfg.depth}) "
+                         f"steps, 0 or more, in increasing order (the i-th freezes the i-th block)")
+    if cfg.freeze_schedule == "none":
+        return
+    refused = [
+        (cfg.tensor_parallel > 1 or cfg.context_parallel > 1, "tensor or context parallelism"),
+        (cfg.data_parallel != "ddp", f"--data_parallel {cfg.data_parallel} (its shards and sharded "
+                                     f"optimizer keep every parameter: use ddp)"),
+        (cfg.engine != "native", "--engine deepspeed"),
+        (cfg.num_experts > 0, "a mixture of experts"),
+        (cfg.pipeline_parallel > 1 and cfg.pipeline_schedule in INTERLEAVED,
+         f"the {cfg.pipeline_schedule} schedule (several stages per rank: use gpipe or 1f1b)"),
+        (cfg.pipeline_parallel > 1 and cfg.freeze_order == "random",
+         "--freeze_order random in a pipeline (its frozen blocks are not a prefix the first stage runs)"),
+        (cfg.freeze_schedule == "gradnorm" and cfg.freeze_order == "random",
+         "--freeze_order random (the gradient test freezes the blocks before a moving one)"),
+        (cfg.freeze_schedule == "gradnorm" and cfg.amp_mode == "fp16",
+         "the gradnorm schedule with --amp_mode fp16 (its norms would be of the scaled gradients: use bf16)"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"--freeze_schedule {cfg.freeze_schedule} does not combine with {what} here")
+    pp = cfg.pipeline_parallel
+    if pp > 1 and cfg.freeze_repipeline and (pp & (pp - 1) or cfg.local_batch_size is not None):
+        raise ValueError("--freeze_repipeline halves the pipeline stages and doubles the data-parallel "
+                         "ranks as blocks freeze: --pipeline_parallel must be a power of two and the "
+                         "local batch follow the global one (no --local_batch_size)")
+    if not cfg.freeze_cache_MiB:
+        return
+    if cfg.dropout > 0 or cfg.freeze_order == "random" or cfg.data_loader_config != "pytorch":
+        raise ValueError("--freeze_cache_MiB keeps each sample's output of the frozen first blocks, which "
+                         "is exact only without dropout, with --freeze_order first and the pytorch loader "
+                         "(it names each batch's samples); set --freeze_cache_MiB 0 or change those")
 
 
 def _check_profiling(cfg: Config) -> None:
