@@ -14,7 +14,7 @@ head always train. ``--freeze_schedule`` says how many blocks are frozen at each
 A frozen parameter stops requiring a gradient, leaves the optimizer (its state freed) and
 DDP's all-reduce (the wrapper is rebuilt around the parameters that still train). The frozen
 embedding and blocks run first, without autograd, and their output replaces the input of
-the rest of the model; with ``--freeze_cache_MiB`` that output is kept per sample
+the rest of the model; with ``--freeze_cache_mib`` that output is kept per sample
 (:class:`ActivationCache`) and extended through newly frozen blocks from the kept output.
 A pipeline re-cuts its stages as blocks freeze, and moves to half the stages and twice the
 data-parallel ranks when the active blocks fit (training/repipelining.py). The checkpoint
@@ -146,11 +146,11 @@ class ActivationCache:
     whatever the other rows: tests/test_freezing.py checks it with torch.equal).
 
     A sample kept after fewer blocks than are frozen now is *extended*: the newly frozen blocks
-    run on its kept output, not on its input again. Up to ``budget_MiB`` are kept, first come
+    run on its kept output, not on its input again. Up to ``budget_mib`` are kept, first come
     first kept; the other samples' prefix is computed each time."""
 
-    def __init__(self, budget_MiB: float) -> None:
-        self.budget = int(budget_MiB * MIB)
+    def __init__(self, budget_mib: float) -> None:
+        self.budget = int(budget_mib * MIB)
         self.used = 0
         self.entries: dict[int, tuple[int, torch.Tensor]] = {}  # sample -> (blocks run, tokens)
         self.counts = {"hit": 0, "extended": 0, "missed": 0}
@@ -258,8 +258,9 @@ class Freezing:
         self.order = freeze_order(cfg)
         self.prefix = cfg.freeze_order == "first"  # the frozen blocks lead: they run apart
         self.rule = GradNormRule() if cfg.freeze_schedule == "gradnorm" else None
-        self.cache = ActivationCache(cfg.freeze_cache_MiB) if cfg.freeze_cache_MiB else None
+        self.cache = ActivationCache(cfg.freeze_cache_mib) if cfg.freeze_cache_mib else None
         self.epoch_frozen: list[int] = []  # blocks frozen at each step of this epoch
+        self.epoch_stages: list[list[list[int]]] = []  # and each stage's active blocks [start, stop)
         self.start_pipeline = cfg.pipeline_parallel  # stages the run started with (repipelining)
 
     # ------------------------------------------------------------ the schedule ---
@@ -280,9 +281,9 @@ class Freezing:
         return self.order[: self.frozen if count is None else count]
 
     # ------------------------------------------------------------- freezing ---
-    def freeze(self, count: int) -> None:
-        """Freeze up to ``count`` blocks (frozen blocks stay frozen): no gradient, out of the
-        optimizer with their state, out of the gradient sync."""
+    def freeze(self, count: int, step: int) -> None:
+        """From ``step`` on, ``count`` blocks are frozen (frozen blocks stay frozen): no gradient,
+        out of the optimizer with their state, out of the gradient sync."""
         if count <= self.frozen:
             return
         t = self.trainer
@@ -295,7 +296,7 @@ class Freezing:
         leave_optimizer(t.optimizer, newly)
         self.frozen = count
         self.leave_gradient_sync()
-        log.info("step %d: %d of %d blocks frozen (%s), %d parameters still train", t.step, count,
+        log.info("step %d: %d of %d blocks frozen (%s), %d parameters still train", step, count,
                  t.cfg.depth, "embedding + blocks " + ", ".join(map(str, sorted(blocks))),
                  sum(p.numel() for p in t.raw_model.parameters() if p.requires_grad))
 
@@ -347,22 +348,24 @@ class Freezing:
     def freezing_state(self) -> dict[str, Any]:
         return {"frozen": self.frozen, "next": self.scheduled(self.trainer.step), "decided": self.decided,
                 "start_pipeline": self.start_pipeline, "epoch_frozen": list(self.epoch_frozen),
+                "epoch_stages": list(self.epoch_stages),
                 "gradnorm": self.rule.state_dict() if self.rule is not None else None}
 
     def load_freezing_state(self, state: dict[str, Any]) -> None:
         self.start_pipeline = state.get("start_pipeline", self.start_pipeline)
         self.decided = state.get("decided", 0)
         self.epoch_frozen = list(state.get("epoch_frozen", []))
+        self.epoch_stages = list(state.get("epoch_stages", []))
         if self.rule is not None and state.get("gradnorm"):
             self.rule.load_state_dict(state["gradnorm"], self.trainer.device)
-        self.freeze(state.get("frozen", 0))
+        self.freeze(state.get("frozen", 0), self.trainer.step)
 
     # -------------------------------------------------------------- metrics ---
     def epoch_record(self) -> dict[str, Any]:
         """The blocks frozen at each step of the epoch (and the cache's rates), for metrics.jsonl;
         TensorBoard gets one point per step."""
         t = self.trainer
-        record: dict[str, Any] = {"frozen_blocks": self.epoch_frozen}
+        record: dict[str, Any] = {"frozen_blocks": self.epoch_frozen, "pipeline_stages": self.epoch_stages}
         if self.cache is not None:
             record.update(self.cache.report())
         if t.writer is not None:
@@ -372,21 +375,39 @@ class Freezing:
             for key in ("cache_hit_rate", "cache_extended_rate", "cache_MiB"):
                 if key in record:
                     t.writer.add_scalar(f"Freezing/{key}", record[key], t.step)
-        self.epoch_frozen = []
+        self.epoch_frozen, self.epoch_stages = [], []
         return record
+
+    def stages(self) -> list[list[int]]:
+        """Each pipeline stage's active blocks as [start, stop) (one stage without a pipeline)."""
+        return [[self.frozen if self.prefix else 0, self.trainer.cfg.depth]]
+
+    def count_step(self) -> None:
+        """Note this step's frozen blocks and stages, for the epoch's record."""
+        self.epoch_frozen.append(self.frozen)
+        self.epoch_stages.append(self.stages())
 
 
 class FreezingStep(Freezing, EagerStep):
     """The eager step with freezing (one device, or DDP over the data-parallel ranks)."""
 
+    def run_started(self) -> None:
+        """Before the first step: what the schedule freezes from it (a resumed run has it already)."""
+        super().run_started()
+        self.freeze(self.scheduled(self.trainer.step), self.trainer.step)
+
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        """Freeze what the schedule says for this step, then run the frozen prefix apart: its
-        output (B, N, D) is what the rest of the model trains on."""
-        self.freeze(self.scheduled(self.trainer.step))
-        self.epoch_frozen.append(self.frozen)
+        """The frozen prefix runs apart: its output (B, N, D) is what the rest of the model trains
+        on. After the step, what the schedule freezes from the next one on, so that the next
+        step (and a checkpoint before it) finds the model, optimizer and DDP it will use."""
+        t = self.trainer
+        self.count_step()
         if self.frozen and self.prefix:
             inp = self.prefix_output(inp)
-        return super().train_step(inp, tar)
+        loss = super().train_step(inp, tar)
+        if t.step + 1 < t.cfg.num_iters:
+            self.freeze(self.scheduled(t.step + 1), t.step + 1)
+        return loss
 
     def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         if not (self.frozen and self.prefix):

@@ -57,6 +57,8 @@ def pipeline_layout(cfg: Config, frozen: int, start_pipeline: int, shrink: bool 
     def worst(items: list[float], stages: int) -> float:
         return max(sum(items[i] for i in r) for r in balanced_split(items, stages))
 
+    if frozen >= cfg.depth:  # every block frozen: the head trains, on one stage
+        return 1, [range(cfg.depth, cfg.depth)]
     reference = worst(stage_items(cfg, 0), start_pipeline)
     items, active, pp = stage_items(cfg, frozen), cfg.depth - frozen, start_pipeline
     while pp > 1 and (active < pp or (shrink and worst(items, pp // 2) <= reference)):
@@ -119,10 +121,13 @@ class FreezingPipelineStep(Freezing, PipelineStep):
         if self.scheduled(t.step) != self.frozen:  # next_layout() moves on before such a step
             raise RuntimeError(f"step {t.step}: stages built for {self.frozen} frozen blocks, the "
                                f"schedule says {self.scheduled(t.step)}")
-        self.epoch_frozen.append(self.frozen)
+        self.count_step()
         if self.frozen and t.model.is_first:
             inp = self.prefix_output(inp)  # the first stage takes the frozen prefix's tokens
         return super().train_step(inp, tar)
+
+    def stages(self) -> list[list[int]]:
+        return [[r.start, r.stop] for r in self.ranges]
 
     def next_layout(self) -> dict[str, Any] | None:
         """The stages the next step needs, when they are not these."""

@@ -196,7 +196,7 @@ class Config:
     freeze_order: str = key("first", "which blocks freeze: first (the earliest, in order) or random "
                                      "(a control: as many blocks drawn from the seed)", "freezing",
                             choices=("first", "random"))
-    freeze_cache_MiB: float = key(0.0, "memory for the frozen blocks' output per sample, kept for the "
+    freeze_cache_mib: float = key(0.0, "memory for the frozen blocks' output per sample, kept for the "
                                        "next epochs (0: no cache; samples beyond it are recomputed)",
                                   "freezing")
     freeze_repipeline: bool = key(True, "with pipeline stages: re-cut them as blocks freeze, and once "
@@ -254,7 +254,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",
     "dp_shard", "cpu_offload", "engine", "zero_stage",
     "pipeline_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",
-    "freeze_cache_MiB", "freeze_repipeline",
+    "freeze_cache_mib", "freeze_repipeline",
 })
 
 FIELDS = tuple(typing.get_type_hints(Config))

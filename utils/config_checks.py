@@ -312,9 +312,9 @@ def _check_freezing(cfg: Config) -> None:
     layouts whose gradients are reduced or split other than by DDP and pipeline stages keep
     every parameter in their own bookkeeping, and are refused."""
     steps = cfg.freeze_steps
-    if not 0.0 < cfg.freeze_alpha <= 1.0 or cfg.freeze_every < 0 or cfg.freeze_cache_MiB < 0:
-        raise ValueError(f"config keys freeze_alpha (in (0, 1]), freeze_every and freeze_cache_MiB (0 or "
-                         f"more) are {cfg.freeze_alpha}, {cfg.freeze_every} and {cfg.freeze_cache_MiB}")
+    if not 0.0 < cfg.freeze_alpha <= 1.0 or cfg.freeze_every < 0 or cfg.freeze_cache_mib < 0:
+        raise ValueError(f"config keys freeze_alpha (in (0, 1]), freeze_every and freeze_cache_mib (0 or "
+                         f"more) are {cfg.freeze_alpha}, {cfg.freeze_every} and {cfg.freeze_cache_mib}")
     if (cfg.freeze_schedule == "steps") != bool(steps):
         raise ValueError("--freeze_steps (the step at which each further block freezes) goes with "
                          "--freeze_schedule steps, and that schedule needs it: give both or neither")
@@ -346,12 +346,12 @@ def _check_freezing(cfg: Config) -> None:
         raise ValueError("--freeze_repipeline halves the pipeline stages and doubles the data-parallel "
                          "ranks as blocks freeze: --pipeline_parallel must be a power of two and the "
                          "local batch follow the global one (no --local_batch_size)")
-    if not cfg.freeze_cache_MiB:
+    if not cfg.freeze_cache_mib:
         return
     if cfg.dropout > 0 or cfg.freeze_order == "random" or cfg.data_loader_config != "pytorch":
-        raise ValueError("--freeze_cache_MiB keeps each sample's output of the frozen first blocks, which "
+        raise ValueError("--freeze_cache_mib keeps each sample's output of the frozen first blocks, which "
                          "is exact only without dropout, with --freeze_order first and the pytorch loader "
-                         "(it names each batch's samples); set --freeze_cache_MiB 0 or change those")
+                         "(it names each batch's samples); set --freeze_cache_mib 0 or change those")
 
 
 def _check_profiling(cfg: Config) -> None:
