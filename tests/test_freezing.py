@@ -166,6 +166,35 @@ def test_batches_name_their_samples(cfg_factory):
         assert seen == 6 - start
 
 
+def test_the_cost_model_predicts_a_freezing_steps_flops_and_the_caches_size(cfg_factory, tmp_path):
+    """FlopCounterMode around the real freezing step (attention by the math kernel, whose
+    matmuls it sees), for every number of frozen blocks: the first step on a batch computes the
+    frozen prefix forward only, the second finds it in the cache; the cache then holds what the
+    cost model says a sample takes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import scripts.cost_model as cm
+    from training.context import RunContext
+    from training.freezing import FreezingStep
+    from training.trainer import Trainer
+
+    cfg = cfg_factory(depth=3, freeze_schedule="steps", freeze_steps=(1000,), freeze_cache_mib=1.0,
+                      attention_kernel="math", limit_nsamples=4)  # (frozen by hand below)
+    m = cm.Model.from_config(cfg)
+    for frozen in range(cfg.depth + 1):
+        trainer = Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path / str(frozen)), 4,
+                          step=FreezingStep)
+        trainer.variant.freeze(frozen, 0)
+        inp, tar = next(iter(trainer.train_data))
+        for cached in (False, True):
+            with FlopCounterMode(display=False) as counter:
+                trainer.train_step(inp, tar)
+            predicted = cm.freezing_flops(m, 4, frozen, cached=cached and frozen > 0)["total"]
+            assert counter.get_total_flops() == predicted, (frozen, cached)
+        if frozen:
+            assert trainer.variant.cache.used == cm.cache_bytes(m, 4)
+
+
 # -------------------------------- what a frozen parameter keeps and leaves (2 ranks) ---
 def _frozen_on_ranks(cfg, run_dir_path: Path, out_dir: Path) -> None:
     """DDP on 2 ranks, block 0 and the embedding frozen at step 1, block 1 at step 2: per step,
