@@ -8,8 +8,11 @@ freezing random blocks, and the layout of a pipeline that shrinks as its blocks 
 
 Every number comes from real training runs of the project's Trainer with the freezing step
 (training/freezing.py): one device for the step times and the fine-tuning, two ranks through
-torchrun (train_mp.py's loop) for the pipeline. Writes OUT/freezing.md (tables), OUT/freezing.json
-and OUT/freezing.png (the four panels of docs/12-freezing.md).
+torchrun (train_mp.py's loop) for the pipeline. A step's time on a CPU is the CPU time the
+training process spent in it, on one thread: on a machine shared with other jobs the wall
+clock counts their time too (on a GPU: the wall clock, the device synchronised). Writes
+OUT/freezing.md (tables), OUT/freezing.json and OUT/freezing.png (the four panels of
+docs/12-freezing.md).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from scripts.instruments import read_metrics, write_report  # noqa: E402
 from scripts.workers import run_worker, worker_env  # noqa: E402
 from training.callbacks import Callback  # noqa: E402
 from training.context import RunContext  # noqa: E402
-from training.freezing import step_class  # noqa: E402
+from training.freezing import freeze_order, step_class  # noqa: E402
 from training.trainer import EagerStep, Trainer  # noqa: E402
 from utils import checkpoint as ckpt  # noqa: E402
 from utils import device as dev  # noqa: E402
@@ -39,11 +42,14 @@ from utils.config import DEFAULT_YAML, Config, load_config, with_overrides  # no
 
 
 class StepClock(Callback):
-    """Each step's seconds (the device synchronised around it) and loss; optionally the weights of
-    a checkpoint loaded into the model as it is built (fine-tuning starts from them)."""
+    """Each step's seconds and loss; optionally the weights of a checkpoint loaded into the model
+    as it is built (fine-tuning starts from them). On a CPU the seconds are this process's CPU
+    time, which other processes on the machine do not lengthen; on a GPU the wall clock's, the
+    device synchronised around the step."""
 
-    def __init__(self, init: Path | None = None) -> None:
+    def __init__(self, device: torch.device, init: Path | None = None) -> None:
         self.init = init
+        self.clock = time.process_time if device.type == "cpu" else time.perf_counter
         self.steps: list[dict[str, float]] = []
 
     def model_built(self, trainer: Trainer) -> None:
@@ -52,18 +58,18 @@ class StepClock(Callback):
 
     def step_start(self, trainer: Trainer) -> None:
         dev.synchronize(trainer.device)
-        self.start = time.perf_counter()
+        self.start = self.clock()
 
     def step_end(self, trainer: Trainer, loss: torch.Tensor) -> None:
         dev.synchronize(trainer.device)
-        seconds = time.perf_counter() - self.start
+        seconds = self.clock() - self.start
         self.steps.append({"step": trainer.step, "seconds": seconds, "loss": loss.item()})
 
 
 def train(cfg: Config, run_dir: Path, init: Path | None = None) -> tuple[list[dict[str, float]], list[dict]]:
     """One run on this process's device: each step's time and loss, and its metrics records."""
     device = torch.device("cuda", 0) if dev.cuda_available() else torch.device("cpu")
-    clock = StepClock(init)
+    clock = StepClock(device, init)
     step = step_class(cfg) if cfg.freeze_schedule != "none" else EagerStep
     Trainer(cfg, RunContext(device=device, run_dir=run_dir), cfg.global_batch_size, step=step,
             callbacks=[clock]).fit()
@@ -102,7 +108,7 @@ RUNS = {"every layer trains": {},
 
 def fine_tuning(args: argparse.Namespace) -> dict[str, Any]:
     """From ``--init``'s weights, the same steps three ways (fresh optimizer and schedule each)."""
-    base = config(args, args.finetune_config, num_iters=args.finetune_steps, dt=args.dt,
+    base = config(args, args.finetune_config, num_iters=args.finetune_steps, dt=args.dt, seed=args.seed,
                   freeze_every=args.freeze_every, freeze_alpha=args.alpha, checkpoint_every=0)
     out = {}
     for name, flags in RUNS.items():
@@ -111,8 +117,11 @@ def fine_tuning(args: argparse.Namespace) -> dict[str, Any]:
         for s in steps:
             clock += s["seconds"]
             s["elapsed"] = clock
-        out[name] = {"steps": steps, "epochs": [{"step": r["step"], "val_loss": r["val_loss"],
-                                                 "frozen_blocks": r.get("frozen_blocks")} for r in records]}
+        cfg = with_overrides(base, **flags)
+        order = freeze_order(cfg) if cfg.freeze_schedule != "none" else []
+        out[name] = {"steps": steps, "order": order,
+                     "epochs": [{"step": r["step"], "val_loss": r["val_loss"],
+                                 "frozen_blocks": r.get("frozen_blocks")} for r in records]}
         print(f"  {name}: val loss {records[-1]['val_loss']:.4f} after {clock:.1f} s of steps", flush=True)
     return out
 
@@ -170,12 +179,13 @@ def markdown(args: argparse.Namespace, timing: list[dict], tuned: dict[str, Any]
     lines += ["", f"Fine-tuning `{args.finetune_config}` from {args.init} to a forecast {args.dt} steps "
               f"ahead, {args.finetune_steps} steps of batch {args.batch}; formula alpha {args.alpha:.3g}, "
               f"an epoch of the formula every {args.freeze_every} steps.", "",
-              "| run | frozen blocks at the end | seconds of steps | last validation loss |",
-              "|---|---|---|---|"]
+              "| run | blocks in the order they freeze | frozen at the end | seconds of steps "
+              "| last validation loss |", "|---|---|---|---|---|"]
     for name, run in tuned.items():
         frozen = run["epochs"][-1]["frozen_blocks"]
-        lines.append(f"| {name} | {frozen[-1] if frozen else 0} | {run['steps'][-1]['elapsed']:.1f} | "
-                     f"{run['epochs'][-1]['val_loss']:.4f} |")
+        order = ", ".join(map(str, run["order"])) or "-"
+        lines.append(f"| {name} | {order} | {frozen[-1] if frozen else 0} | "
+                     f"{run['steps'][-1]['elapsed']:.1f} | {run['epochs'][-1]['val_loss']:.4f} |")
     lines += ["", "Pipeline, 2 ranks: each step's frozen blocks and each stage's active blocks.", "",
               "| steps | frozen blocks | stages (active blocks) | layout |", "|---|---|---|---|"]
     for (k, stages), group in _runs(layout):
@@ -258,12 +268,15 @@ def driver(argv: list[str] | None = None) -> int:
     p.add_argument("--dt", type=int, default=2, help="fine-tuning: forecast this many 6-hour steps ahead")
     p.add_argument("--alpha", type=float, default=1 / 3, help="fine-tuning: the formula's alpha")
     p.add_argument("--freeze_every", type=int, default=48, help="fine-tuning: steps per epoch of the formula")
+    p.add_argument("--seed", type=int, default=1, help="fine-tuning: the data order and the random blocks' "
+                   "order (seed 0 draws 0, 1, 3, 2 for 4 blocks: almost the earliest first)")
     p.add_argument("--pipeline_steps", type=int, default=16)
     p.add_argument("--pipeline_freeze_steps", type=int, nargs="+", default=[4, 8, 12])
     p.add_argument("--data_dir", default=None, help="every run's data (default: the configs')")
     p.add_argument("--out", type=Path, default=Path("logs/freezing"))
     args = p.parse_args(argv)
     args.out = args.out.resolve()
+    torch.set_num_threads(1)  # (the CPU time of one thread: see the module's docstring)
     if not args.init.is_file():
         raise SystemExit(f"error: {args.init} does not exist; train part 1's run first "
                          f"(python train.py --config {args.finetune_config})")

@@ -223,6 +223,9 @@ class FreezingState:
     def model_state(self) -> dict[str, torch.Tensor]:
         return self.weights.model_state()
 
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.weights.load_model_state(state)
+
     def state_dict(self) -> dict[str, Any]:
         return {**self.weights.state_dict(), "freezing": self.trainer.variant.freezing_state()}
 
