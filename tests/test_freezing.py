@@ -309,8 +309,10 @@ def test_a_pipeline_that_shrinks_logs_the_serial_losses(data_dir, test_yaml, tmp
     schedule, block 2 | block 3 + head); at step 4 block 3 alone fits one stage: the two ranks
     continue as pp 1 x dp 2. Every step's loss is the serial run's with the same freezing, to
     fp32 rounding (rtol 1e-5: the pipeline's micro-batch means and DDP's all-reduce sum in
-    another order); the frozen blocks of each step are the same."""
-    ok(run(1, args(test_yaml, data_dir, tmp_path / "serial", **SHRINK)))
+    another order); the frozen blocks of each step are the same. The same command run again
+    for 2 more steps (as a job resubmitted) builds its 2 stages, finds its checkpoint past
+    them and goes on at pp 1 x dp 2."""
+    ok(run(1, args(test_yaml, data_dir, tmp_path / "serial", **SHRINK, num_iters=8)))
     serial = metrics(run_dir(tmp_path / "serial", 1))
     result = run(2, args(test_yaml, data_dir, tmp_path, pipeline_parallel=2, **SHRINK), timeout=240, **MP)
     ok(result)
@@ -319,12 +321,16 @@ def test_a_pipeline_that_shrinks_logs_the_serial_losses(data_dir, test_yaml, tmp
     assert "(frozen, without autograd: embedding + blocks 0-1) + block 2; stage 1" in log
     assert "step 4: the run continues with pipeline_parallel 1" in log
     assert "dp 0/2, pp 0/1" in log  # the mesh of the new layout
+    again = run(2, args(test_yaml, data_dir, tmp_path, pipeline_parallel=2, **SHRINK, num_iters=8),
+                timeout=240, **MP)
+    ok(again)
+    assert "step 6: the run continues with pipeline_parallel 1" in again.stdout + again.stderr
     shrunk = metrics(tmp_path / "tiny" / "2GPU_tp1_cp1_dp1_pp2" / "00")
-    assert [m["step"] for m in shrunk] == [m["step"] for m in serial] == list(range(1, 7))
+    assert [m["step"] for m in shrunk] == [m["step"] for m in serial] == list(range(1, 9))
     assert [m["frozen_blocks"] for m in shrunk] == [m["frozen_blocks"] for m in serial] == \
-        [[0], [0], [2], [2], [3], [3]]
+        [[0], [0], [2], [2], [3], [3], [3], [3]]
     assert [m["pipeline_stages"][0] for m in shrunk] == [[[0, 2], [2, 4]]] * 2 + [[[2, 3], [3, 4]]] * 2 + \
-        [[[3, 4]]] * 2  # each stage's active blocks [start, stop), at each step (one per epoch)
+        [[[3, 4]]] * 4  # each stage's active blocks [start, stop), at each step (one per epoch)
     for a, b in zip(serial, shrunk):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=LOSS_RTOL), a["step"]
         assert b["val_loss"] == pytest.approx(a["val_loss"], rel=LOSS_RTOL), a["step"]

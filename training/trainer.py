@@ -503,6 +503,10 @@ class Trainer:
         if experts is not None:
             reporting.log_experts(self.writer, self.step, experts)
 
+    def log_next_layout(self) -> None:
+        log.info("step %d: the run continues with %s, from a checkpoint", self.step,
+                 ", ".join(f"{k} {v}" for k, v in self.next_layout.items()))
+
     def finish_epoch_loss(self) -> float:
         """Average training loss of the epoch over all data-parallel ranks (one host sync)."""
         self.mark("epoch end")
@@ -527,6 +531,7 @@ class Trainer:
                 return {}
             self.next_layout = self.variant.next_layout()
             if self.next_layout is not None:  # the checkpoint is past this layout: the launcher moves on
+                self.log_next_layout()
                 return {}
         self.variant.run_started()
         if self.ctx.is_main:
@@ -559,8 +564,7 @@ class Trainer:
                             received() or "received by another rank", self.step, self.cfg.num_iters)
                 break
             if self.next_layout is not None:
-                log.info("step %d: the run continues with %s, from a checkpoint", self.step,
-                         ", ".join(f"{k} {v}" for k, v in self.next_layout.items()))
+                self.log_next_layout()
                 break
             if self.checkpoint_due():  # a checkpoint on the epoch's last step, after validation
                 self.save_checkpoint()
