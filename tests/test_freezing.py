@@ -299,9 +299,10 @@ def args(yaml: Path, data_dir: Path, expdir: Path, **extra) -> list[str]:
 
 
 # one step per epoch (8 samples, global batch 8): every step's loss is in metrics.jsonl; block
-# 0 and 1 freeze at step 2, block 2 at step 4; the cache serves the frozen prefix from epoch 2 on
+# 0 and 1 freeze at step 2, block 2 at step 4; the cache serves the frozen prefix from epoch 2 on.
+# A constant learning rate: a run extended from 6 to 8 steps takes the 8-step run's steps
 SHRINK = {"limit_nsamples": 8, "freeze_schedule": "steps", "freeze_steps": (2, 2, 4),
-          "freeze_cache_mib": 1.0}
+          "freeze_cache_mib": 1.0, "lr_schedule": "constant"}
 
 
 def test_a_pipeline_that_shrinks_logs_the_serial_losses(data_dir, test_yaml, tmp_path):
