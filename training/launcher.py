@@ -165,9 +165,10 @@ def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunC
 
 
 def step_for(cfg: Config, script_step: type[EagerStep]) -> type[EagerStep]:
-    """The step variant this run needs, chosen once: a script's own (train_graph.py's, whose checks
-    refuse what it cannot run), else pipeline stages or DeepSpeed's engine when the configuration
-    asks for them (each imported only then), else the eager step."""
+    """The step variant this run needs, chosen once: freezing's (training/freezing.py, eager or with
+    pipeline stages) when the configuration freezes layers, else a script's own (train_graph.py's,
+    whose checks refuse what it cannot run), else pipeline stages or DeepSpeed's engine when the
+    configuration asks for them (each imported only then), else the eager step."""
     if cfg.freeze_schedule != "none":
         if script_step is not EagerStep:
             raise ValueError(f"--freeze_schedule {cfg.freeze_schedule} changes which layers train as the "

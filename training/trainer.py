@@ -573,6 +573,7 @@ class Trainer:
             self.save_checkpoint()
         if self.writer is not None:
             self.writer.close()
-        for callback in self.callbacks:
-            callback.fit_end(self)
+        if self.next_layout is None:  # (else the run goes on, in the launcher's next Trainer)
+            for callback in self.callbacks:
+                callback.fit_end(self)
         return val
