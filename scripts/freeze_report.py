@@ -18,6 +18,7 @@ docs/12-freezing.md).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -225,11 +226,11 @@ def plot(args: argparse.Namespace, timing: list[dict], tuned: dict[str, Any], la
     ax.set(xlabel="frozen blocks", ylabel="ms per step", title=f"{args.config}: step time as blocks freeze")
     ax.legend(fontsize=8)
     window = max(1, args.finetune_steps // 20)
-    for name, run in tuned.items():
+    for (name, run), style in zip(tuned.items(), ("-", "-", "--")):
         losses = [s["loss"] for s in run["steps"]]
         smooth = [statistics.mean(losses[max(0, i - window + 1):i + 1]) for i in range(len(losses))]
-        axes[0, 1].plot([s["step"] + 1 for s in run["steps"]], smooth, label=name)
-        axes[1, 0].plot([s["elapsed"] for s in run["steps"]], smooth, label=name)
+        axes[0, 1].plot([s["step"] + 1 for s in run["steps"]], smooth, style, label=name)
+        axes[1, 0].plot([s["elapsed"] for s in run["steps"]], smooth, style, label=name)
     axes[0, 1].set(xlabel="step", ylabel=f"training loss (mean of {window} steps)",
                    title=f"fine-tuning from part 1's weights ({args.dt}-step forecast)")
     axes[1, 0].set(xlabel="seconds of training steps", ylabel=f"training loss (mean of {window} steps)",
@@ -274,9 +275,15 @@ def driver(argv: list[str] | None = None) -> int:
     p.add_argument("--pipeline_freeze_steps", type=int, nargs="+", default=[4, 8, 12])
     p.add_argument("--data_dir", default=None, help="every run's data (default: the configs')")
     p.add_argument("--out", type=Path, default=Path("logs/freezing"))
+    p.add_argument("--replot", action="store_true", help="draw OUT/freezing.png again from OUT/freezing.json "
+                   "(no runs)")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
     torch.set_num_threads(1)  # (the CPU time of one thread: see the module's docstring)
+    if args.replot:
+        data = json.loads((args.out / "freezing.json").read_text())
+        plot(args, data["step_times"], data["fine_tuning"], data["pipeline"], args.out / "freezing.png")
+        return 0
     if not args.init.is_file():
         raise SystemExit(f"error: {args.init} does not exist; train part 1's run first "
                          f"(python train.py --config {args.finetune_config})")
