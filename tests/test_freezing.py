@@ -195,6 +195,32 @@ def test_the_cost_model_predicts_a_freezing_steps_flops_and_the_caches_size(cfg_
             assert trainer.variant.cache.used == cm.cache_bytes(m, 4)
 
 
+def test_random_blocks_freeze_in_the_drawn_order_and_keep_their_bits(cfg_factory, tmp_path):
+    """The control: the blocks of the seed's permutation freeze (with the embedding), in the
+    middle of the model too; the full model runs (autograd through the frozen blocks for the
+    active ones before them) and the frozen weights do not move."""
+    from training.context import RunContext
+    from training.freezing import FreezingStep, freeze_order
+    from training.trainer import Trainer
+
+    cfg = cfg_factory(depth=4, seed=1, freeze_schedule="steps", freeze_steps=(0, 0), freeze_order="random",
+                      limit_nsamples=8)
+    order = freeze_order(cfg)
+    assert sorted(order) == [0, 1, 2, 3] and order[:2] != [0, 1]  # seed 1: blocks 1 and 3 first
+    trainer = Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path), 4, step=FreezingStep)
+    trainer.variant.run_started()  # what the schedule freezes from step 0
+    frozen = {n: p.detach().clone() for n, p in trainer.raw_model.named_parameters() if not p.requires_grad}
+    assert {n.split(".")[1] for n in frozen if n.startswith("blocks.")} == {str(b) for b in order[:2]}
+    assert any(n.startswith("patch_embed") for n in frozen)
+    active = trainer.raw_model.blocks[str(min(b for b in range(4) if b not in order[:2]))].mlp.fc1.weight
+    before = active.detach().clone()
+    inp, tar = next(iter(trainer.train_data))
+    for _ in range(2):
+        trainer.train_step(inp, tar)
+    assert all(torch.equal(p, frozen[n]) for n, p in trainer.raw_model.named_parameters() if n in frozen)
+    assert not torch.equal(active, before)  # an active block before a frozen one trained
+
+
 # -------------------------------- what a frozen parameter keeps and leaves (2 ranks) ---
 def _frozen_on_ranks(cfg, run_dir_path: Path, out_dir: Path) -> None:
     """DDP on 2 ranks, block 0 and the embedding frozen at step 1, block 1 at step 2: per step,

@@ -371,6 +371,10 @@ class Freezing:
         record: dict[str, Any] = {"frozen_blocks": self.epoch_frozen, "pipeline_stages": self.epoch_stages}
         if self.cache is not None:
             record.update(self.cache.report())
+            log.info("  Frozen blocks: %d; the cache served %.0f%% of the samples whole, extended %.0f%%, "
+                     "computed %.0f%% (%.1f MiB kept)", self.frozen, 100 * record["cache_hit_rate"],
+                     100 * record["cache_extended_rate"], 100 * record["cache_missed_rate"],
+                     record["cache_MiB"])
         if t.writer is not None:
             first = t.step - len(self.epoch_frozen) + 1
             for i, count in enumerate(self.epoch_frozen):
