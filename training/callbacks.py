@@ -31,4 +31,5 @@ class Callback:
 
     def fit_end(self, trainer: Any) -> None:
         """Training is over (checkpoint written); ``trainer.stopped_early`` says whether a stop
-        signal ended it."""
+        signal ended it, ``trainer.next_layout`` whether the run goes on in another layout (with
+        a new Trainer, whose fit_end comes later: training/freezing.py)."""

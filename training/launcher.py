@@ -296,6 +296,8 @@ def in_next_layout(trainer: Trainer, script_step: type[EagerStep]) -> Trainer:
     """The Trainer that continues ``trainer``'s run in the layout it asked for (training/freezing.py:
     half the pipeline stages, twice the data-parallel ranks): new process groups over the same
     ranks, the same run folder, resumed from the checkpoint the other one has just written."""
+    log.info("step %d: the run continues with %s, from a checkpoint", trainer.step,
+             ", ".join(f"{k} {v}" for k, v in trainer.next_layout.items()))
     cfg = with_overrides(trainer.cfg, **trainer.next_layout)
     mesh = meshes.build_mesh(meshes.requested_sizes(cfg), cfg.parallel_order, trainer.device.type)
     ctx = dataclasses.replace(trainer.ctx, mesh=mesh)

@@ -232,15 +232,11 @@ class EagerStep:
     def run_started(self) -> None:
         """The run directory is locked and training starts (DeepSpeed writes its config here)."""
 
-    def epoch_record(self) -> dict[str, Any]:
-        """Keys this step adds to the epoch's metrics record (training/freezing.py: the frozen
-        blocks of each step); it writes its own TensorBoard scalars."""
+    def epoch_record(self) -> dict[str, Any]:  # keys of the epoch's metrics (training/freezing.py)
         return {}
 
     def next_layout(self) -> dict[str, Any] | None:
-        """None, or the config values (``pipeline_parallel``) of the layout this run must continue
-        in before its next step: training/freezing.py moves a pipeline to fewer stages as its
-        blocks freeze. The Trainer then checkpoints and stops; the launcher builds the next one."""
+        """Config values of the layout the next step needs, if not this one (training/freezing.py)."""
         return None
 
     # the part of a checkpoint that holds the model and the optimizer: consolidated whole tensors
@@ -377,7 +373,8 @@ class Trainer:
         self.train_data.set_epoch(epoch, start_batch)
         done = 0
         for batch in self.train_data:  # (input, target): (B, C, H, W) each
-            if self.step >= self.cfg.num_iters:
+            self.next_layout = self.variant.next_layout()  # another: a checkpoint, the launcher moves on
+            if self.step >= self.cfg.num_iters or self.next_layout is not None:
                 break
             with self.profiling.step(epoch, start_batch + done, self.step), \
                     self.memory_record.step(self.step), dev.nvtx_range(f"step {self.step}"):
@@ -400,9 +397,6 @@ class Trainer:
             self.mark("stop check")
             if self.stop_agreement.poll(self.step):
                 self.stopped_early = True
-                break
-            self.next_layout = self.variant.next_layout()
-            if self.next_layout is not None:
                 break
             if self.checkpoint_due() and not self.at_epoch_end():  # the epoch's last: after validation
                 self.save_checkpoint()
@@ -503,10 +497,6 @@ class Trainer:
         if experts is not None:
             reporting.log_experts(self.writer, self.step, experts)
 
-    def log_next_layout(self) -> None:
-        log.info("step %d: the run continues with %s, from a checkpoint", self.step,
-                 ", ".join(f"{k} {v}" for k, v in self.next_layout.items()))
-
     def finish_epoch_loss(self) -> float:
         """Average training loss of the epoch over all data-parallel ranks (one host sync)."""
         self.mark("epoch end")
@@ -529,10 +519,6 @@ class Trainer:
                 log.info("this run already took all %d steps; to train again, pass another --run_num "
                          "(or --num_iters N to train it further)", self.cfg.num_iters)
                 return {}
-            self.next_layout = self.variant.next_layout()
-            if self.next_layout is not None:  # the checkpoint is past this layout: the launcher moves on
-                self.log_next_layout()
-                return {}
         self.variant.run_started()
         if self.ctx.is_main:
             checkpointing.remove_temp_files(self.ctx.run_dir)
@@ -544,13 +530,12 @@ class Trainer:
                  self.n_params, spe, spe * self.local_batch * self.ctx.dp_size, self.local_batch,
                  self.ctx.dp_size)
         val: dict[str, Any] = {}
-        while self.step < self.cfg.num_iters:
+        while self.step < self.cfg.num_iters and self.next_layout is None:
             epoch, start_batch = divmod(self.step, spe)
             dev.synchronize(self.device)
             start = time.time()
             steps = self.train_epoch(epoch, start_batch)
-            interrupted = self.stopped_early or self.next_layout is not None
-            if not (interrupted and not self.at_epoch_end()):  # a whole epoch: close it
+            if not ((self.stopped_early or self.next_layout) and not (steps and self.at_epoch_end())):
                 dev.synchronize(self.device)
                 seconds = time.time() - start
                 train_loss = self.finish_epoch_loss()
@@ -563,9 +548,6 @@ class Trainer:
                 log.warning("stop signal (%s): stopping at step %d of %d to checkpoint",
                             received() or "received by another rank", self.step, self.cfg.num_iters)
                 break
-            if self.next_layout is not None:
-                self.log_next_layout()
-                break
             if self.checkpoint_due():  # a checkpoint on the epoch's last step, after validation
                 self.save_checkpoint()
         self.stop_agreement.drain()
@@ -573,7 +555,6 @@ class Trainer:
             self.save_checkpoint()
         if self.writer is not None:
             self.writer.close()
-        if self.next_layout is None:  # (else the run goes on, in the launcher's next Trainer)
-            for callback in self.callbacks:
-                callback.fit_end(self)
+        for callback in self.callbacks:
+            callback.fit_end(self)
         return val
