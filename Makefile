@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 DATA   := data/synthetic
 CONFIG ?= tiny
 
-.PHONY: venv data train test test-compat test-newest lint clean-logs exercise gpu-check deepspeed
+.PHONY: venv data train test test-compat test-newest compat-env lint clean-logs exercise gpu-check deepspeed
 
 venv: $(STAMP)
 
@@ -50,8 +50,10 @@ test: venv lint
 # (.venv-compat-VERSION, the CUDA build from the package index, 7.8 GB installed for 2.8.0; it
 # runs on a CPU): the oldest (2.8.0, what NERSC's containers carry) with `make test-compat`, the
 # newest (requirements-newest.txt) with `make test-newest`; COMPAT_TORCH=2.11.0 make test-compat
-# tries another. These runs leave out the walk through the course's pages (marker `course`):
-# it checks commands and pages, which the pinned torch of `make test` covers.
+# tries another. These runs leave out the walk through the course's pages (marker `course`: it
+# checks commands and pages, which the pinned torch of `make test` covers) and the Slurm tests
+# (marker `slurm`: the submit scripts and the cluster's nodes, signals and requeue, which do not
+# depend on torch's version); `make compat-env` only builds the environment.
 COMPAT_TORCH ?= 2.8.0
 NEWEST_TORCH := $(shell sed -n 's/^torch==//p' requirements-newest.txt)
 COMPAT_VENV  := .venv-compat-$(COMPAT_TORCH)
@@ -64,16 +66,20 @@ $(COMPAT_STAMP): requirements.txt requirements-newest.txt
 	$(COMPAT_VENV)/bin/python -m pip install --quiet torch==$(COMPAT_TORCH) -r $(COMPAT_VENV)/requirements-no-torch.txt
 	@touch $@
 
+compat-env: $(COMPAT_STAMP)
+
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT_VENV)/bin/python -m pytest -n 2 --dist loadgroup -m "not course and not deepspeed"
+	$(COMPAT_VENV)/bin/python -m pytest -n 2 --dist loadgroup -m "not course and not deepspeed and not slurm"
 
 test-newest:
 	$(MAKE) test-compat COMPAT_TORCH=$(NEWEST_TORCH)
 
-# on a CUDA machine, about 10 minutes: the cuda tests, train.py against train_graph.py, DALI against
-# the PyTorch loader, the optimization ladder; report in logs/gpu_check (flags: ARGS="--skip tests")
-gpu-check: venv
-	$(BIN)/python scripts/gpu_check.py $(ARGS)
+# on a CUDA machine, within 10 minutes: the cuda tests by part (tests/gpu_parts.py), train.py against
+# train_graph.py, DALI against the PyTorch loader, the optimization ladder; report in
+# logs/gpu_check/report.md (flags: ARGS="--skip ladder"). It installs nothing and runs the python
+# that is there: the container's on a GPU node (make gpu-check PYTHON=python), .venv's once activated
+gpu-check:
+	$(PYTHON) scripts/gpu_check.py $(ARGS)
 
 clean-logs:
 	rm -rf logs

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from utils.config import Config
+from utils.config_groups import ParallelConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,29 +76,29 @@ def counting_hook(state, bucket):
     return state.hook(inner, bucket)
 
 
-def compress_gradients(ddp: DistributedDataParallel, cfg: Config,
+def compress_gradients(ddp: DistributedDataParallel, layout: ParallelConfig, seed: int,
                        group: dist.ProcessGroup | None) -> CountingState:
-    """Register the hook that ``cfg.grad_compression`` names on ``ddp``; the counting state is
+    """Register the hook that ``layout.grad_compression`` names on ``ddp``; the counting state is
     kept as ``ddp.comm_state`` (read by :func:`distributed.tags.gradient_bytes`)."""
-    if cfg.grad_compression == "bf16":
+    if layout.grad_compression == "bf16":
         state = CountingState(default_hooks.bf16_compress_hook, group)
-    elif cfg.grad_compression == "fp16":
+    elif layout.grad_compression == "fp16":
         state = CountingState(default_hooks.fp16_compress_hook, group)
-    elif cfg.grad_compression == "powersgd":
+    elif layout.grad_compression == "powersgd":
         # start_powerSGD_iter=2: the earliest torch allows with error feedback or warm start (DDP
         # rebuilds its buckets after the first step); min_compression_rate: torch's default (2)
         inner = powerSGD_hook.PowerSGDState(
-            process_group=group, matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=2,
-            use_error_feedback=cfg.powersgd_error_feedback, warm_start=True,
-            random_seed=cfg.seed)
+            process_group=group, matrix_approximation_rank=layout.powersgd_rank, start_powerSGD_iter=2,
+            use_error_feedback=layout.powersgd_error_feedback, warm_start=True,
+            random_seed=seed)
         state = CountingState(powerSGD_hook.powerSGD_hook, inner)
     else:
-        raise ValueError(f"unknown gradient compression {cfg.grad_compression!r}")
+        raise ValueError(f"unknown gradient compression {layout.grad_compression!r}")
     ddp.register_comm_hook(state, counting_hook)
     ddp.comm_state = state
     details = ""
-    if cfg.grad_compression == "powersgd":
-        feedback = "on" if cfg.powersgd_error_feedback else "off"
-        details = f" (rank {cfg.powersgd_rank}, error feedback {feedback})"
-    log.info("gradients are all-reduced compressed: %s%s", cfg.grad_compression, details)
+    if layout.grad_compression == "powersgd":
+        feedback = "on" if layout.powersgd_error_feedback else "off"
+        details = f" (rank {layout.powersgd_rank}, error feedback {feedback})"
+    log.info("gradients are all-reduced compressed: %s%s", layout.grad_compression, details)
     return state

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed.mappings import all_to_all
-from distributed.mesh import ParallelMesh, check_expert_parallel, group_layouts
+from distributed.mesh import ParallelMesh, check_expert_parallel, expert_layouts, gather_placement
 from distributed.tags import spec, tag
 from networks.moe import MoEMLP, assignment_shares
 
@@ -44,17 +44,18 @@ def add_expert_groups(mesh: ParallelMesh, ep: int) -> None:
     "ep_replicas" groups (the ranks at the same place in every block of a dp group). Collective:
     every rank creates every group, in the same order."""
     check_expert_parallel(mesh.dp_size, ep)
-    others = {n: s for n, s in mesh.sizes.items() if n != "dp"}
-    for ranks in group_layouts(mesh.world_size, others, "-".join(mesh.sizes))["dp"]:
-        blocks = [ranks[i:i + ep] for i in range(0, len(ranks), ep)]
-        replicas = [ranks[j::ep] for j in range(ep)]
-        for name, groups in (("ep", blocks), ("ep_replicas", replicas)):
-            for members in groups:
-                group = dist.new_group(members)
-                if mesh.rank in members:
-                    mesh.groups[name] = group
+    for name, groups in expert_layouts(mesh.world_size, mesh.sizes, "-".join(mesh.sizes), ep).items():
+        for members in groups:
+            group = dist.new_group(members)
+            if mesh.rank in members:
+                mesh.groups[name] = group
     mesh.expert_parallel = ep
     mesh.coords["ep"] = mesh.dp_rank % ep
+    everyone = gather_placement(mesh, ["ep", "ep_replicas"])
+    if dist.get_rank() == 0:
+        for rank, (node, groups) in enumerate(everyone):
+            log.info("expert layout rank %d on node %s: experts split over %s, copies of its experts on %s",
+                     rank, node, groups["ep"], groups["ep_replicas"])
 
 
 def sort_by_expert(expert: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

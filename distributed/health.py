@@ -7,13 +7,18 @@ with the backend's message: gloo's "Timed out waiting 20000ms for recv operation
 watchdog timeout, neither of which says who is missing.
 
 So every rank runs a small thread that writes, every ``PERIOD_S`` seconds, where it is (step,
-phase of the step, time, host, pid) into the rendezvous key-value store (the TCPStore that
-torchrun's agent, or rank 0, serves; a connection of its own). A rank that is stopped or frozen
-stops writing; a rank that is alive but somewhere else (another step, validation) says where.
-When a collective fails, the rank that noticed reads every rank's last entry and logs one line:
+phase of the step, time, host, Slurm node, pid) into the rendezvous key-value store (the TCPStore
+that torchrun's agent, or rank 0, serves; a connection of its own). A rank that is stopped,
+frozen or killed stops writing; a rank that is alive but somewhere else (another step,
+validation) says where. When a collective fails, the rank that noticed waits until every live
+rank has written again (a rank killed a moment ago, whose connections closed and failed the
+collective at once, writes nothing new) and logs one line:
 
     rank 0 gave up at step 13 in backward (DDP's gradient all-reduce): rank 1 stopped
     responding (no sign of life for 24 s; last seen at step 13 in forward, host nid001 pid 4242)
+
+(``node n2 (host vm)`` instead of the host where the node's name is not the host's: several
+Slurm nodes on one machine, as in the tests.)
 
 The thread costs one small store write every few seconds; ``mark`` (called by the trainer
 as it moves through a step) only stores two values.
@@ -40,6 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+
+from utils.device import node_name
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +118,7 @@ class Heartbeat:
 
     def _write(self) -> None:
         entry = {"time": time.time(), "step": self.step, "phase": self.phase,
-                 "host": socket.gethostname(), "pid": os.getpid()}
+                 "host": socket.gethostname(), "node": node_name(), "pid": os.getpid()}
         self.store.set(f"{self.prefix}{self.rank}", json.dumps(entry))
 
     def _run(self) -> None:
@@ -155,11 +162,13 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
-    def others(self, read_timeout_s: float = 5.0) -> dict[int, dict[str, Any] | None]:
-        """Every other rank's last entry (None: it never wrote one, or the store did not answer)."""
+    def others(self, read_timeout_s: float = 5.0, ranks: list[int] | None = None
+               ) -> dict[int, dict[str, Any] | None]:
+        """Every other rank's last entry, or those of ``ranks`` (None: it never wrote one, or the
+        store did not answer)."""
         self.store.set_timeout(datetime.timedelta(seconds=read_timeout_s))
         entries: dict[int, dict[str, Any] | None] = {}
-        for r in range(self.world_size):
+        for r in range(self.world_size) if ranks is None else ranks:
             if r == self.rank:
                 continue
             try:
@@ -179,9 +188,9 @@ class Heartbeat:
 
     def _diagnosis(self, now: float | None) -> str:
         me = f"rank {self.rank} gave up at {self.where(self.step, self.phase)}"
-        time.sleep(self.period_s + 0.5)  # every live rank writes where it is now
+        first = self.others()
+        entries = self._news(first)
         now = time.time() if now is None else now
-        entries = self.others()
         missing = []
         for r, e in sorted(entries.items()):
             if e is None:
@@ -189,8 +198,10 @@ class Heartbeat:
                                f"is not answering)")
                 continue
             age = now - e["time"]
-            seen = f"{self.where(e['step'], e['phase'])}, host {e['host']} pid {e['pid']}"
-            if age > STALE_S:
+            where = f"host {e['host']}" if e.get("node", e["host"]) == e["host"] else \
+                f"node {e['node']} (host {e['host']})"
+            seen = f"{self.where(e['step'], e['phase'])}, {where} pid {e['pid']}"
+            if age > STALE_S or e == first[r]:
                 missing.append(f"rank {r} stopped responding (no sign of life for {age:.0f} s; last "
                                f"seen at {seen})")
             elif (e["step"], e["phase"]) != (self.step, self.phase):
@@ -199,6 +210,21 @@ class Heartbeat:
             return (f"{me}; every other rank is alive at the same step and phase (a collective they "
                     f"called differently, or a slow network: see docs/04-communication.md)")
         return f"{me}: " + "; ".join(missing)
+
+    def _news(self, first: dict[int, dict[str, Any] | None]) -> dict[int, dict[str, Any] | None]:
+        """Every rank's entry once each live rank has written a new one: after one period, or for
+        ranks still silent then, up to three (a rank killed a moment ago, whose last entry is not
+        old yet, writes none; a live one late by a busy CPU writes within them)."""
+        time.sleep(self.period_s + 0.5)
+        entries = self.others()
+        deadline = time.monotonic() + 2 * self.period_s + 0.5
+        while time.monotonic() < deadline:
+            silent = [r for r, e in entries.items() if e is not None and e == first[r]]
+            if not silent:
+                break
+            time.sleep(min(0.5, self.period_s))
+            entries.update(self.others(ranks=silent))
+        return entries
 
 
 def collectives_by_phase(ddp: bool, fsdp: bool, zero1: bool, model_parallel: bool, pipeline: bool,

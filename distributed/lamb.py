@@ -59,6 +59,10 @@ def split_sum_squares(mesh: ParallelMesh) -> SumSquares:
 
 
 class Lamb(torch.optim.Optimizer):
+    # its per-tensor norms need every rank's part of a tensor: distributed/sharding.py gives it
+    # the sum over the ranks that split one (sum_squares)
+    norms_span_ranks = True
+
     def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
                  sum_squares: SumSquares = local_sum_squares) -> None:

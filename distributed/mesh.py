@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from utils.config import Config
+from utils.config_groups import MemoryConfig, ModelConfig, ParallelConfig
+from utils.device import node_name
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,14 @@ def parse_order(order: str) -> tuple[str, ...]:
     return names + tuple(n for n in DIMENSIONS if n not in names)
 
 
-def requested_sizes(cfg: Config) -> dict[str, int]:
+def requested_sizes(layout: ParallelConfig) -> dict[str, int]:
     """The configured size of every dimension but dp."""
-    return {name: getattr(cfg, k) for name, k in DIMENSIONS.items() if k is not None}
+    return {name: getattr(layout, k) for name, k in DIMENSIONS.items() if k is not None}
 
 
-def model_parallel_sizes(cfg: Config) -> dict[str, int]:
+def model_parallel_sizes(layout: ParallelConfig) -> dict[str, int]:
     """The dimensions other than dp that are larger than 1 (empty: a data-parallel-only run)."""
-    return {n: s for n, s in requested_sizes(cfg).items() if s > 1}
+    return {n: s for n, s in requested_sizes(layout).items() if s > 1}
 
 
 def check_sizes(world_size: int, sizes: dict[str, int], order: str = "tp-cp-dp") -> dict[str, int]:
@@ -79,22 +80,22 @@ def check_sizes(world_size: int, sizes: dict[str, int], order: str = "tp-cp-dp")
     return {n: full.get(n, 1) for n in names}
 
 
-def check_model(cfg: Config) -> None:
+def check_model(model: ModelConfig, layout: ParallelConfig) -> None:
     """The model must split: whole heads and equal MLP slices per tp rank, a token per cp rank."""
-    tp, cp = cfg.tensor_parallel, cfg.context_parallel
-    hidden = int(cfg.embed_dim * cfg.mlp_ratio)
-    tokens = (cfg.img_size[0] // cfg.patch_size) * (cfg.img_size[1] // cfg.patch_size)
-    sizes = f"(tensor_parallel={tp}, context_parallel={cp}, embed_dim={cfg.embed_dim}, " \
-            f"num_heads={cfg.num_heads}, mlp hidden={hidden}, tokens={tokens})"
-    if cfg.num_heads % tp:
+    tp, cp = layout.tensor_parallel, layout.context_parallel
+    hidden = int(model.embed_dim * model.mlp_ratio)
+    tokens = model.tokens
+    sizes = f"(tensor_parallel={tp}, context_parallel={cp}, embed_dim={model.embed_dim}, " \
+            f"num_heads={model.num_heads}, mlp hidden={hidden}, tokens={tokens})"
+    if model.num_heads % tp:
         raise ValueError(f"num_heads must be divisible by tensor_parallel {sizes}; "
                          f"choose tensor_parallel among the divisors of num_heads")
-    if cfg.embed_dim % tp or hidden % tp:
+    if model.embed_dim % tp or hidden % tp:
         raise ValueError(f"embed_dim and the MLP hidden size must be divisible by tensor_parallel {sizes}")
     if cp > tokens:
         raise ValueError(f"context_parallel exceeds the number of tokens {sizes}; "
                          f"use fewer context-parallel ranks or smaller patches")
-    if cfg.sequence_parallel and tp * cp > tokens:  # each tp rank of a cp slice needs a token
+    if layout.sequence_parallel and tp * cp > tokens:  # each tp rank of a cp slice needs a token
         raise ValueError(f"sequence_parallel needs a token for every tp rank of every cp slice {sizes}; "
                          f"use fewer ranks or smaller patches")
 
@@ -104,6 +105,44 @@ def check_expert_parallel(dp_size: int, ep: int) -> None:
     if dp_size % ep:
         raise ValueError(f"expert_parallel {ep} does not divide the {dp_size} data-parallel ranks; "
                          f"choose a divisor (the expert-parallel ranks are data-parallel ranks)")
+
+
+def hsdp_shard(layout: ParallelConfig, dp_size: int, ranks_per_node: int) -> int:
+    """HSDP's sharding group: ``dp_shard`` ranks, by default the ranks of one node."""
+    shard = layout.dp_shard or ranks_per_node
+    if dp_size % shard:
+        raise ValueError(f"--dp_shard {shard} does not divide the {dp_size} data-parallel ranks; "
+                         f"choose a divisor (hsdp makes dp / dp_shard groups of dp_shard ranks)")
+    return shard
+
+
+def check_takes_effect(layout: ParallelConfig, memory: MemoryConfig, sizes: dict[str, int],
+                       ranks_per_node: int) -> None:
+    """A layout flag that these sizes would switch off is refused, not ignored: the run would
+    otherwise train something other than what was asked for. ``sizes``: every dimension, dp
+    included (check_sizes' result). DeepSpeed's stages are its own (ZeRO-Offload on one rank
+    is a use of it)."""
+    if layout.engine != "native":
+        return
+    dp, what = sizes[DATA], None
+    if dp == 1 and layout.data_parallel != "ddp":  # distributed/sharding.py: fsdp_active, zero1_active
+        offload = " with --cpu_offload" if memory.cpu_offload else ""
+        what = f"--data_parallel {layout.data_parallel}{offload} shards over the data-parallel ranks"
+    elif dp == 1 and layout.grad_compression != "none":  # DDP's hook: no DDP with one replica
+        what = f"--grad_compression {layout.grad_compression} compresses the data-parallel all-reduce"
+    if what:
+        model = math.prod(sizes.values()) // dp
+        split = [f"{DIMENSIONS[n]} {s}" for n, s in sizes.items() if s > 1]
+        at = f" at {' x '.join(split)}" if split else ""
+        ranks = f"{model} ranks{at} leave" if model > 1 else "1 rank leaves"
+        raise ValueError(f"{what}, but {ranks} 1 data-parallel rank: start {2 * model} ranks or more (on "
+                         f"Perlmutter nodes x 4 GPUs), or leave the flag out")
+    if layout.data_parallel == "hsdp":
+        shard = hsdp_shard(layout, dp, ranks_per_node)
+        if shard == dp:
+            raise ValueError(f"--data_parallel hsdp with one sharding group of all {dp} data-parallel ranks "
+                             f"is fsdp (nothing is replicated); use --data_parallel fsdp, or more ranks "
+                             f"than --dp_shard {shard} (a node's ranks by default)")
 
 
 def _strides(sizes: dict[str, int]) -> dict[str, int]:
@@ -132,6 +171,27 @@ def group_layouts(world_size: int, sizes: dict[str, int], order: str = "tp-cp-dp
             groups.append([base + i * strides[name] for i in range(full[name])])
         layouts[name] = sorted(groups)
     return layouts
+
+
+def expert_layouts(world_size: int, sizes: dict[str, int], order: str, ep: int) -> dict[str, list[list[int]]]:
+    """The expert-parallel groups as rank lists (distributed/experts.py): "ep", consecutive blocks
+    of ``ep`` ranks of each dp group, which share out the experts; "ep_replicas", the ranks at the
+    same place in every block of a dp group, which hold the same experts."""
+    others = {n: s for n, s in sizes.items() if n != DATA}
+    layouts: dict[str, list[list[int]]] = {"ep": [], "ep_replicas": []}
+    for ranks in group_layouts(world_size, others, order)[DATA]:
+        check_expert_parallel(len(ranks), ep)
+        layouts["ep"] += [ranks[i:i + ep] for i in range(0, len(ranks), ep)]
+        layouts["ep_replicas"] += [ranks[j::ep] for j in range(ep)]
+    return layouts
+
+
+def hsdp_layouts(world_size: int, shard: int) -> dict[str, list[list[int]]]:
+    """HSDP's groups (dp alone, distributed/sharding.py): "dp_shard", rows of ``shard``
+    consecutive ranks that shard the model; "dp_replicate", the ranks at the same place in every
+    row, which hold the same shard and average its gradient."""
+    rows = [list(range(start, start + shard)) for start in range(0, world_size, shard)]
+    return {"dp_shard": rows, "dp_replicate": [list(column) for column in zip(*rows)]}
 
 
 def mesh_ranks(sizes: dict[str, int]) -> torch.Tensor:
@@ -209,5 +269,42 @@ def build_mesh(sizes: dict[str, int], order: str = "tp-cp-dp", device_type: str 
         names = tuple(reversed(list(full)))
         mesh.device_mesh = DeviceMesh(device_type, mesh_ranks(full), mesh_dim_names=names)
         mesh.groups = {n: mesh.device_mesh.get_group(n) for n in full}
-    log.info("parallel layout %s", mesh.describe())
+        log_placement(mesh)
+    else:
+        log.info("parallel layout %s", mesh.describe())
     return mesh
+
+
+# the dimensions whose collectives run in every block: their groups belong inside a node
+INSIDE_A_NODE = {"tp": "tensor-parallel", "cp": "context-parallel"}
+
+
+def gather_placement(mesh: ParallelMesh, names: list[str]) -> list[tuple[str, dict[str, list[int]]]]:
+    """Every rank's node and the ranks of its groups of ``names``, as each rank sees them,
+    indexed by rank (collective: the ranks gather them)."""
+    mine = (node_name(), {n: dist.get_process_group_ranks(mesh.groups[n]) for n in names})
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def log_placement(mesh: ParallelMesh) -> None:
+    """Rank 0 logs every rank's node and groups ('rank 2 on node n2: tp 0/2 of [2, 3], cp 0/1,
+    dp 1/2 of [0, 2], pp 0/1'; collective), and warns of a tp or cp group that spans nodes: its
+    collectives, several per block, would cross the network between nodes."""
+    everyone = gather_placement(mesh, [n for n in mesh.sizes if mesh.size(n) > 1])
+    if dist.get_rank() != 0:
+        return
+    for rank, (node, groups) in enumerate(everyone):
+        parts = ", ".join(f"{n} {groups[n].index(rank)}/{len(groups[n])} of {groups[n]}" if n in groups
+                          else f"{n} 0/1" for n in mesh.sizes)
+        log.info("parallel layout rank %d on node %s: %s (order %s)", rank, node, parts, "-".join(mesh.sizes))
+    for name, what in INSIDE_A_NODE.items():
+        split = [ranks for ranks in sorted({tuple(g[name]) for _, g in everyone if name in g})
+                 if len({everyone[r][0] for r in ranks}) > 1]
+        if split:
+            nodes = sorted({everyone[r][0] for r in split[0]})
+            log.warning("%d %s group(s) span nodes (ranks %s on %s): their collectives, several per "
+                        "block, cross the network between nodes; make the ranks per node a multiple of "
+                        "tensor_parallel x context_parallel, with tp and cp first in --parallel_order",
+                        len(split), what, list(split[0]), ", ".join(nodes))

@@ -43,7 +43,7 @@ from distributed.sharding import apply_fsdp, fsdp_active
 from distributed.shards import is_sharded, local, shard_of
 from distributed.tags import spec, tag_model, wrap_data_parallel
 from networks.vit import ViT
-from utils.config import Config
+from utils.config_groups import MemoryConfig, OptimizerConfig, ParallelConfig
 
 log = logging.getLogger(__name__)
 
@@ -161,29 +161,32 @@ def materialize(model: nn.Module, mesh: ParallelMesh, device: torch.device,
     return model
 
 
-def parallelize(model: ViT, mesh: ParallelMesh, cfg: Config, device: torch.device,
+def parallelize(model: ViT, mesh: ParallelMesh, device: torch.device, layout: ParallelConfig,
+                memory: MemoryConfig, optim: OptimizerConfig, seed: int = 0,
                 initial_values: InitialValues | None = None) -> nn.Module:
-    """This rank's model, on ``device``, ready to train (see the module docstring for the order).
+    """This rank's model, on ``device``, ready to train (see the module docstring for the order):
+    the parallel ``layout``, ``memory``'s activation checkpointing and offload, ``optim``'s
+    compile and precision (FSDP's bf16 policy); ``seed``: PowerSGD's.
 
     ``model`` is built on the meta device when ``initial_values`` is given: nothing is
     allocated until the model is split, then each rank allocates its own part (materialize)."""
     meta = initial_values is not None
-    model = apply_model_parallel(model, mesh, cfg.sequence_parallel)
-    if cfg.expert_parallel > 1:  # imported only then: the experts split over data-parallel ranks
+    model = apply_model_parallel(model, mesh, layout.sequence_parallel)
+    if layout.expert_parallel > 1:  # imported only then: the experts split over data-parallel ranks
         from distributed.experts import apply_expert_parallel
 
-        model = apply_expert_parallel(model, mesh, cfg.expert_parallel)
+        model = apply_expert_parallel(model, mesh, layout.expert_parallel)
     if not meta:
         model = model.to(device)
-    model = apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    if cfg.enable_jit:
+    model = apply_activation_checkpointing(model, memory.activation_checkpointing)
+    if optim.enable_jit:
         for block in model.blocks.values():
             block.compile()
-    if fsdp_active(cfg, mesh):
-        model = apply_fsdp(model, mesh, cfg)  # on meta: only the shards' shapes
+    if fsdp_active(layout, mesh):  # on meta: only the shards' shapes
+        model = apply_fsdp(model, mesh, layout, optim.amp_mode, memory.cpu_offload)
         return materialize(model, mesh, device, initial_values) if meta else model
     if meta:
         model = materialize(model, mesh, device, initial_values)
     if mesh.size("pp") > 1:  # a pipeline stage averages its gradients itself (distributed/pipeline.py)
         return model
-    return wrap_data_parallel(model, mesh, device, cfg)
+    return wrap_data_parallel(model, mesh, device, layout, seed)

@@ -47,8 +47,7 @@ from distributed.sharding import fsdp_active
 from distributed.tags import unwrap
 from networks.vit import ViT
 from utils import device as dev
-from utils.config import Config
-from utils.config_checks import INTERLEAVED, pipeline_stages
+from utils.config_groups import INTERLEAVED, ParallelConfig
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +139,8 @@ class Pipeline:
     tokens, and ``step`` is given those (a frozen prefix is off the schedule, as in PipeTransformer)."""
 
     def __init__(self, chunks: list[nn.Module], stage_ids: list[int], n_stages: int,
-                 mesh: ParallelMesh, device: torch.device, cfg: Config,
+                 mesh: ParallelMesh, device: torch.device, layout: ParallelConfig,
+                 token_shape: tuple[int, int],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  prefix: nn.Module | None = None) -> None:
         from torch.distributed import pipelining
@@ -156,17 +156,16 @@ class Pipeline:
         # intermittently with 1F1B and always with zero-bubble, so the stage averages its
         # gradients once the schedule has flushed (no overlap with the last backward).
         self.dp_group = mesh.dp_group
-        self.average_over_dp = mesh.dp_size > 1 and not fsdp_active(cfg, mesh) and not cfg.noddp
+        self.average_over_dp = mesh.dp_size > 1 and not fsdp_active(layout, mesh) and not layout.noddp
         self.is_first, self.is_last = 0 in stage_ids, n_stages - 1 in stage_ids
         self.stages = [pipelining.PipelineStage(c, i, n_stages, device, group=self.group)
                        for c, i in zip(chunks, stage_ids)]
-        schedule = getattr(pipelining, SCHEDULES[cfg.pipeline_schedule])
+        schedule = getattr(pipelining, SCHEDULES[layout.pipeline_schedule])
         # scale_grads: each micro-batch's loss is its mean; the gradients are divided by their
         # number, so the step's gradient is that of the mean over the whole batch
-        self.schedule = schedule(self.stages if cfg.pipeline_schedule in INTERLEAVED else self.stages[0],
-                                 n_microbatches=cfg.num_microbatches, loss_fn=loss_fn, scale_grads=True)
-        serial = unwrap(chunks[-1])
-        self.token_shape = (serial.num_tokens, cfg.embed_dim)
+        self.schedule = schedule(self.stages if layout.pipeline_schedule in INTERLEAVED else self.stages[0],
+                                 n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+        self.token_shape = token_shape  # (N, D): what passes between stages, per sample
 
     # --------------------------------------------------------- the model's interface ---
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -271,7 +270,7 @@ def _timed(fn: Callable[..., Any], kind: str, stage: int, events: list,
     return run
 
 
-def build(serial: ViT, mesh: ParallelMesh, cfg: Config, device: torch.device,
+def build(serial: ViT, mesh: ParallelMesh, layout: ParallelConfig, device: torch.device,
           parallelize: Callable[[ViT], nn.Module],
           loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
           ranges: list[range] | None = None, prefix: int = 0) -> Pipeline:
@@ -279,12 +278,13 @@ def build(serial: ViT, mesh: ParallelMesh, cfg: Config, device: torch.device,
     (``parallelize``: tp, checkpointing, compile, DDP/FSDP over dp), and set up the schedule.
     ``ranges``: each stage's blocks (default: as equal as possible); ``prefix``: the embedding and
     that many first blocks are frozen and run before the schedule on the first stage's rank."""
-    n_stages = pipeline_stages(cfg)
-    ranges = ranges or split_blocks(cfg.depth, n_stages)
+    n_stages = layout.stages
+    ranges = ranges or split_blocks(len(serial.blocks), n_stages)
+    token_shape = (serial.num_tokens, serial.pos_embed.shape[-1])
     ids = rank_stages(mesh.rank_in("pp"), mesh.size("pp"), n_stages // mesh.size("pp"))
     if mesh.rank == 0:
         log.info("pipeline of %d stages, %s schedule, %d micro-batches: %s", n_stages,
-                 cfg.pipeline_schedule, cfg.num_microbatches,
+                 layout.pipeline_schedule, layout.num_microbatches,
                  describe_split(ranges, mesh.size("pp"), prefix))
     frozen = None
     if prefix and 0 in ids:
@@ -293,4 +293,4 @@ def build(serial: ViT, mesh: ParallelMesh, cfg: Config, device: torch.device,
     for k, s in enumerate(ids):
         model = serial if k == len(ids) - 1 else copy.deepcopy(serial)  # one copy per stage
         chunks.append(parallelize(cut_stage(model, ranges[s], s == 0 and not prefix, s == n_stages - 1)))
-    return Pipeline(chunks, ids, n_stages, mesh, device, cfg, loss_fn, frozen)
+    return Pipeline(chunks, ids, n_stages, mesh, device, layout, token_shape, loss_fn, frozen)

@@ -27,30 +27,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed.mesh import ParallelMesh
+from distributed.mesh import ParallelMesh, hsdp_layouts, hsdp_shard
 from distributed.tags import spec
 from utils import compat
 from utils import device as dev
-from utils.config import Config
+from utils.config_groups import ParallelConfig
 
 log = logging.getLogger(__name__)
 
 
-def fsdp_active(cfg: Config, mesh: ParallelMesh) -> bool:
-    return cfg.data_parallel in ("fsdp", "hsdp") and mesh.dp_size > 1
+def fsdp_active(layout: ParallelConfig, mesh: ParallelMesh) -> bool:
+    return layout.data_parallel in ("fsdp", "hsdp") and mesh.dp_size > 1
 
 
-def zero1_active(cfg: Config, mesh: ParallelMesh) -> bool:
-    return cfg.data_parallel == "zero1" and mesh.dp_size > 1
+def zero1_active(layout: ParallelConfig, mesh: ParallelMesh) -> bool:
+    return layout.data_parallel == "zero1" and mesh.dp_size > 1
 
 
-def autocast_mode(cfg: Config, mesh: ParallelMesh) -> str:
-    """bf16 under FSDP comes from its mixed-precision policy (bf16 copies of the gathered
-    weights, fp32 master weights and gradient reduction), not from autocast."""
-    return "none" if fsdp_active(cfg, mesh) and cfg.amp_mode == "bf16" else cfg.amp_mode
-
-
-def apply_fsdp(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, layout: ParallelConfig, amp_mode: str,
+               cpu_offload: bool) -> nn.Module:
     """``fully_shard`` each transformer block, then the root (patch embedding, norm, head).
 
     Blocks first: each becomes one all-gather / reduce-scatter unit, so the next block's
@@ -61,14 +56,14 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> nn.Module:
 
     tags = {name: spec(p) for name, p in model.named_parameters()}
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if cfg.amp_mode == "bf16" else MixedPrecisionPolicy()
+        if amp_mode == "bf16" else MixedPrecisionPolicy()
     # offload: the shards live in host memory, are copied to the device for each gather, and
     # Adam steps on the CPU (page-locked host memory on a GPU, for asynchronous copies)
-    offload = CPUOffloadPolicy(pin_memory=dev.cuda_available()) if cfg.cpu_offload else OffloadPolicy()
-    dp_mesh = hsdp_mesh(mesh, cfg) if cfg.data_parallel == "hsdp" else mesh.device_mesh["dp"]
+    offload = CPUOffloadPolicy(pin_memory=dev.cuda_available()) if cpu_offload else OffloadPolicy()
+    dp_mesh = hsdp_mesh(mesh, layout) if layout.data_parallel == "hsdp" else mesh.device_mesh["dp"]
     backend = dist.get_backend(mesh.dp_group)
     for block in model.blocks.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=cfg.reshard_after_forward,
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=layout.reshard_after_forward,
                     mp_policy=policy, offload_policy=offload)
         compat.fsdp_average_on_gloo(block, backend)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
@@ -78,32 +73,29 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> nn.Module:
     return model
 
 
-def hsdp_mesh(mesh: ParallelMesh, cfg: Config) -> Any:
+def hsdp_mesh(mesh: ParallelMesh, layout: ParallelConfig) -> Any:
     """HSDP's 2-D mesh of the data ranks: (replicate, shard). Each row of ``dp_shard`` ranks (by
     default the ranks of one node, where links are fast) shards the model as FSDP does; the rows
     hold the same shards and average their gradients with an all-reduce across nodes, which
     sends each gradient once per step instead of gathering weights over the slow network."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    shard = cfg.dp_shard or int(os.environ.get("LOCAL_WORLD_SIZE", mesh.dp_size))
-    if mesh.dp_size % shard:
-        raise ValueError(f"--dp_shard {shard} does not divide the {mesh.dp_size} data-parallel ranks; "
-                         f"choose a divisor (hsdp makes dp / dp_shard groups of dp_shard ranks)")
-    ranks = torch.arange(dist.get_world_size()).reshape(mesh.dp_size // shard, shard)  # dp alone here
+    shard = hsdp_shard(layout, mesh.dp_size, int(os.environ.get("LOCAL_WORLD_SIZE", mesh.dp_size)))
+    ranks = torch.tensor(hsdp_layouts(dist.get_world_size(), shard)["dp_shard"])  # dp alone here
     return DeviceMesh(mesh.device_mesh.device_type, ranks, mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
 def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], options: dict[str, Any],
-                    cfg: Config, mesh: ParallelMesh) -> torch.optim.Optimizer:
+                    layout: ParallelConfig, mesh: ParallelMesh) -> torch.optim.Optimizer:
     """The optimizer (class and settings from training/trainer.py:optimizer_choice) for this rank's
     part of the model: under zero1 wrapped so that each dp rank keeps the state of its share only;
     LAMB's per-tensor norms summed over the ranks that split a tensor (tp slices, FSDP shards)."""
-    from distributed.lamb import Lamb, local_sum_squares, split_sum_squares
+    if getattr(optimizer_class, "norms_span_ranks", False):  # LAMB (distributed/lamb.py)
+        from distributed.lamb import local_sum_squares, split_sum_squares
 
-    if optimizer_class is Lamb:
-        whole = mesh.size("tp") == 1 and not fsdp_active(cfg, mesh)  # ZeRO-1 steps whole tensors
+        whole = mesh.size("tp") == 1 and not fsdp_active(layout, mesh)  # ZeRO-1 steps whole tensors
         options = {**options, "sum_squares": local_sum_squares if whole else split_sum_squares(mesh)}
-    if zero1_active(cfg, mesh):
+    if zero1_active(layout, mesh):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class,

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed.mesh import ParallelMesh
 from utils import compat
-from utils.config import Config
+from utils.config_groups import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -144,16 +144,16 @@ def _all_reduce_views(views: list[torch.Tensor], group) -> None:
 
 
 def wrap_data_parallel(model: nn.Module, mesh: ParallelMesh, device: torch.device,
-                       cfg: Config | None = None) -> nn.Module:
+                       layout: ParallelConfig | None = None, seed: int = 0) -> nn.Module:
     """Gradient synchronisation as the parameter tags ask: DDP over the dp group when dp > 1
     (with :func:`ddp_comm_hook` when some gradients are also summed over another dimension),
     else per-parameter hooks (nothing at all for a serial model on one rank)."""
-    use_ddp = cfg is None or not cfg.noddp
+    use_ddp = layout is None or not layout.noddp
     if mesh.dp_size > 1 and use_ddp:
         ids = [device.index] if device.type == "cuda" else None
-        options = {} if cfg is None else {
-            "bucket_cap_mb": cfg.bucket_cap_mb,
-            **compat.ddp_buffer_sync(not cfg.disable_broadcast_buffers),
+        options = {} if layout is None else {
+            "bucket_cap_mb": layout.bucket_cap_mb,
+            **compat.ddp_buffer_sync(not layout.disable_broadcast_buffers),
             "gradient_as_bucket_view": True,
         }
         if any(spec(p).expert for p in model.parameters()):
@@ -161,10 +161,10 @@ def wrap_data_parallel(model: nn.Module, mesh: ParallelMesh, device: torch.devic
         ddp = DistributedDataParallel(model, device_ids=ids, process_group=mesh.dp_group, **options)
         if needs_grad_sum(model):
             ddp.register_comm_hook(None, ddp_comm_hook(mesh))
-        elif cfg is not None and cfg.grad_compression != "none":  # imported only when compressing
+        elif layout is not None and layout.grad_compression != "none":  # imported only when compressing
             from distributed.compression import compress_gradients
 
-            compress_gradients(ddp, cfg, mesh.dp_group)
+            compress_gradients(ddp, layout, seed, mesh.dp_group)
         return ddp
     install_grad_sum_hooks(model, mesh)
     return model

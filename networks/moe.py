@@ -35,15 +35,17 @@ from torch import nn
 
 class MoEMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int = 1, capacity_factor: float = 0.0,
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, expert: type[nn.Module] | None = None) -> None:
+        """``expert``: each expert's class, called as ``expert(dim, hidden, dropout)`` (the ViT's
+        dense MLP, networks/vit.py, which hands it over)."""
         super().__init__()
-        from networks.vit import MLP  # the dense MLP is each expert
-
+        if expert is None:
+            raise TypeError("MoEMLP needs the experts' class (expert=MLP of networks/vit.py)")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"moe_top_k must be between 1 and num_experts ({num_experts}), got {top_k}")
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.router = nn.Linear(dim, num_experts, bias=False)
-        self.experts = nn.ModuleDict({str(e): MLP(dim, hidden, dropout) for e in range(num_experts)})
+        self.experts = nn.ModuleDict({str(e): expert(dim, hidden, dropout) for e in range(num_experts)})
         # what the last forward measured (set by forward): the auxiliary loss (a graph tensor),
         # and for the logs, detached: each expert's fraction of the token assignments it
         # processed, and the fraction of assignments dropped by the capacity

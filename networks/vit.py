@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from utils.config import Config
+from utils.config_groups import ModelConfig
 
 
 class PatchEmbed(nn.Module):
@@ -96,7 +96,7 @@ class Block(nn.Module):
         if experts:  # a mixture of experts in place of the MLP (networks/moe.py)
             from networks.moe import MoEMLP
 
-            self.mlp = MoEMLP(dim, int(dim * mlp_ratio), dropout=dropout, **experts)
+            self.mlp = MoEMLP(dim, int(dim * mlp_ratio), dropout=dropout, expert=MLP, **experts)
         else:
             self.mlp = MLP(dim, int(dim * mlp_ratio), dropout)
 
@@ -223,8 +223,9 @@ class ViT(nn.Module):
         return self.unpatchify(x)
 
 
-def build_vit(cfg: Config) -> ViT:
-    """The configured serial ViT (distributed/parallelize.py makes this rank's part of it)."""
+def build_vit(cfg: ModelConfig) -> ViT:
+    """The configured serial ViT (distributed/parallelize.py makes this rank's part of it); ``cfg``
+    is the configuration's model group (``Config.model``)."""
     return ViT(
         img_size=cfg.img_size,
         patch_size=cfg.patch_size,

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import platform
 import shutil
@@ -56,7 +55,8 @@ from torch.utils import flop_counter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from networks.vit import build_vit  # noqa: E402
-from training.context import RunContext
+from scripts.instruments import write_report  # noqa: E402
+from training.context import RunContext  # noqa: E402
 from training.trainer import Callback, EagerStep, Trainer  # noqa: E402
 from utils import attention  # noqa: E402
 from utils import device as dev  # noqa: E402
@@ -224,7 +224,7 @@ CPU_ATTENTION_FLOPS = {
 def flops_per_sample(cfg: Config, batch: int, device: torch.device) -> float:
     """Forward + backward FLOPs of the model per sample (eager, fp32: FLOPs do not depend on dtype)."""
     torch.manual_seed(0)
-    model = build_vit(cfg).to(device)
+    model = build_vit(cfg.model).to(device)
     h, w = cfg.img_size
     inp = torch.randn(batch, cfg.n_in_channels, h, w, device=device)
     tar = torch.randn(batch, cfg.n_out_channels, h, w, device=device)
@@ -495,7 +495,7 @@ def bare_loop(cfg: Config, batch: int, opts: Options, flops: float, peaks: dict[
     runs the attention kernel the trainer chooses for these settings (utils/attention.py)."""
     device = opts.device
     torch.manual_seed(cfg.seed)
-    model = build_vit(cfg).to(device)
+    model = build_vit(cfg.model).to(device)
     # the Trainer's Adam kernel (fused, else foreach), so the reference differs from it only in
     # what surrounds the step
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, **dev.adam_kernel(fused))
@@ -702,8 +702,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "mfu": best["mfu"], "dtype": "fp32" if s["amp_mode"] == "none" else s["amp_mode"],
             "loader_ratio_to_raw": best["loader"]["ratio_to_raw"],
         }
-    (args.out_dir / "benchmark.json").write_text(json.dumps(report, indent=2))
-    (args.out_dir / "benchmark.md").write_text(markdown(report))
+    write_report(args.out_dir, "benchmark", markdown(report), report)
     print(markdown(report))
     return report
 

@@ -17,7 +17,6 @@ OUT/overlap.json and OUT/overlap.png (the timelines).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts import instruments  # noqa: E402
 from scripts.script_config import add_config_args, load_script_config  # noqa: E402
 
 
@@ -134,7 +134,7 @@ def build(cfg, setting: dict[str, Any], timeline: Timeline, group, device):
     from networks.vit import build_vit
 
     torch.manual_seed(cfg.seed)
-    model = build_vit(cfg).to(device)
+    model = build_vit(cfg.model).to(device)
     if setting["kind"] == "after":  # the data-parallel exercise's solution
         return model, lambda: average_gradients(model, group)
     if setting["kind"] == "after_flat":
@@ -204,7 +204,7 @@ def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, cfg, worl
     from networks.vit import build_vit, count_parameters
 
     args.out.mkdir(parents=True, exist_ok=True)
-    params = count_parameters(build_vit(cfg))
+    params = count_parameters(build_vit(cfg.model))
     base = rows[0]["step_ms"]
     lines = [f"Config `{args.config}` ({params / 1e6:.2f}M parameters, {4 * params / 1e6:.1f} MB of fp32 "
              f"gradients), {world} ranks, local batch {max(1, cfg.global_batch_size // world)}; median of "
@@ -214,8 +214,7 @@ def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, cfg, worl
         n = {"after": "one per parameter", "after_flat": 1, "fsdp": "-"}.get(
             r["kind"], len(r["timeline"]["buckets"]))
         lines.append(f"| {r['name']} | {r['step_ms']:.1f} | {base / r['step_ms']:.2f}x | {n} |")
-    (args.out / "overlap.md").write_text("\n".join(lines) + "\n")
-    (args.out / "overlap.json").write_text(json.dumps(rows, indent=1))
+    instruments.write_report(args.out, "overlap", "\n".join(lines), rows)
     plot([r for r in rows if r["kind"] != "fsdp"], args.out / "overlap.png")
     print("\n".join(lines))
     print(f"wrote {args.out / 'overlap.md'} and {args.out / 'overlap.png'}")

@@ -23,13 +23,13 @@ IGNORED = {"expdir", "data_dir", "checkpoint_every", "num_data_workers", "stop_c
 
 
 def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    metrics_path, config_path = run_dir / "metrics.jsonl", run_dir / "config.yaml"
-    if not metrics_path.is_file() or not config_path.is_file():
+    from scripts.plot_training import read_metrics
+
+    config_path = run_dir / "config.yaml"
+    if not (run_dir / "metrics.jsonl").is_file() or not config_path.is_file():
         raise SystemExit(f"error: {run_dir} has no metrics.jsonl and config.yaml; pass run folders "
                          f"written by train.py (logs/CONFIG/NGPU/RUN)")
-    epochs = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    if not epochs:
-        raise SystemExit(f"error: {metrics_path} is empty; let the run finish an epoch first")
+    epochs = read_metrics(run_dir)
     from ruamel.yaml import YAML
 
     (config,) = YAML(typ="safe").load(config_path.read_text()).values()

@@ -48,13 +48,15 @@ RECORD_FILE = "cost_measure.json"
 class ActivationMeter(SavedTensorMeter):
     """Saved tensors, weights left out: a linear layer saves its weight as ``weight.t()``, a
     view made in forward, not the Parameter object; such a view has one input in the
-    graph, the parameter's gradient accumulator."""
+    graph, the parameter's gradient accumulator, and shares its storage. (Under autocast a
+    layer saves a bf16 copy of its weight instead: new memory, counted.)"""
 
     def pack(self, t: torch.Tensor) -> object:
         fn = t.grad_fn
         if fn is not None and len(fn.next_functions) == 1:
             source = getattr(fn.next_functions[0][0], "variable", None)
-            if isinstance(source, torch.nn.Parameter):
+            if isinstance(source, torch.nn.Parameter) and \
+                    t.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
                 return t
         return super().pack(t)
 

@@ -309,7 +309,7 @@ def zero1_owner(shapes: list[tuple[str, tuple[int, ...]]], dp: int) -> dict[str,
     return owner
 
 
-def activation_bytes(m: Model, lay: Layout, pp_rank: int = 0) -> dict[str, int]:
+def activation_bytes(m: Model, lay: Layout, pp_rank: int = 0, dtype: str = "float32") -> dict[str, int]:
     """Bytes autograd keeps for backward at the peak of one step, counted tensor by tensor (the
     page lists them). Per token of a block: its input x, the normalised x (saved by qkv), the
     q/k/v projection (3D / tp), the attention output (D / tp) and its log-sum-exp (h / tp), x
@@ -318,48 +318,72 @@ def activation_bytes(m: Model, lay: Layout, pp_rank: int = 0) -> dict[str, int]:
     gathered keys and values (2 N D / tp per sample); a checkpointed block keeps its input only.
     A pipeline stage holds the micro-batches in flight: all m (GPipe), pp - rank (1F1B). A mixture
     of experts' block is an estimate (balanced routing; the indices it keeps are left out): not
-    checked."""
+    checked.
+
+    ``dtype`` bfloat16 (or float16): the run's matmuls under autocast. They save their inputs
+    and outputs in 2 bytes (the normalised x, q/k/v, the attention output, fc1's and GELU's
+    outputs, the head's input, the patch embedding's input) and a 2-byte copy of each weight
+    they use; the residual stream x, the layer norms' statistics, the log-sum-exp and the
+    loss stay fp32."""
     D, F, h, N, tp = m.dim, m.hidden, m.heads, m.tokens, lay.tp
+    low = 2 if dtype in ("bfloat16", "float16") else E  # bytes of a matmul's saved element
     n = N // lay.cp
     blocks, first, last = stage_blocks(m, lay, pp_rank)
 
     def per_sample_block(i: int, kept: bool) -> int:
         if not kept:  # checkpointed: the input only
-            return n * D
+            return E * n * D
+        # x and x after attention (the residual stream), the norms' statistics, the two normalised x
+        replicated = E * n * (2 * D + 4) + low * n * 2 * D
         if m.moe(i):  # router logits and probabilities, then each routed token's MLP (balanced)
-            mlp = n * 2 * m.num_experts + n * m.top_k * (D + 2 * F)  # balanced: see block_matmuls
-            return n * (4 * D + 4) + n * (4 * D + h) // tp + mlp
-        full = n * (4 * D + 4) + n * (4 * D + h + 2 * F) // tp
-        return full + (2 * N * D // tp if lay.cp > 1 else 0)
+            mlp = E * n * 2 * m.num_experts + low * n * m.top_k * (D + 2 * F)  # balanced: see block_matmuls
+            return replicated + low * (n * 4 * D // tp) + E * (n * h // tp) + mlp
+        split = low * (n * (4 * D + 2 * F) // tp) + E * (n * h // tp)
+        return replicated + split + (low * 2 * N * D // tp if lay.cp > 1 else 0)
 
     ckpt = {i: not recomputed(lay, i) for i in blocks}
     sample = {"blocks": sum(per_sample_block(i, ckpt[i]) for i in blocks)}
     if last:  # final norm's input and stats, the head's input; the loss keeps pred - target, and
-        sample["head and loss"] = n * (2 * D + 2) + m.c_out * m.pixels + m.c_out  # ||target||^2 per channel
+        sample["head and loss"] = E * n * (D + 2) + low * n * D + E * (m.c_out * m.pixels + m.c_out)
+        # ||target||^2 per channel
     if first and lay.cp > 1:  # the first block's input is a slice (a view) of the whole sequence
-        sample["blocks"] += (N - n) * D
+        sample["blocks"] += E * (N - n) * D
     b = lay.local_batch
     if lay.pp > 1:  # micro-batches alive at once on this rank
         flight = lay.microbatches if lay.schedule == "gpipe" else min(lay.microbatches, lay.pp - pp_rank)
         if lay.chunks > 1:  # interleaved: each chunk's micro-batches in flight, at most all
             flight = min(lay.microbatches, lay.pp - pp_rank + (lay.chunks - 1) * lay.pp)
         per_mb = b // lay.microbatches
-        out = {k: E * v * per_mb * flight for k, v in sample.items()}
+        out = {k: v * per_mb * flight for k, v in sample.items()}
     else:
-        out = {k: E * v * b for k, v in sample.items()}
+        out = {k: v * b for k, v in sample.items()}
     if first:  # the convolution keeps the input batch (micro-batches are views of it)
-        out["input"] = E * b * m.c_in * m.pixels
+        out["input"] = low * b * m.c_in * m.pixels
+    if low != E:  # autocast's low-precision copy of each weight a kept forward multiplies by
+        out["weight copies"] = low * sum(math.prod(s) for name, s in rank_parameters(m, lay, pp_rank)
+                                         if _matmul_weight(name) and ckpt.get(_block_of(name), True))
     out["total"] = sum(out.values())
     return out
 
 
-def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0) -> dict[str, int]:
+def _matmul_weight(name: str) -> bool:
+    return name.endswith("weight") and not name.split(".")[-2].startswith("norm")
+
+
+def _block_of(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("blocks.") else None
+
+
+def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0,
+           dtype: str = "float32") -> dict[str, int]:
     """Bytes this rank holds, by kind. Adam keeps two moments per element and a 4-byte step count
     per tensor. ddp: everything; zero1: the moments of the tensors it owns; fsdp: its dim-0 shard
     of everything (hsdp: its shard within its group). Also: the recomputed block of activation
     checkpointing (one block's activations while its backward runs) and FSDP's communication
     buffers (one block's gathered weights and gradients, the next block's prefetched weights);
-    not checked: neither is in the tensors a run can count on a CPU."""
+    not checked: neither is in the tensors a run can count on a CPU. ``dtype``: the matmuls'
+    precision under autocast (the activations, see activation_bytes); weights, gradients and
+    Adam's state stay fp32."""
     shapes = rank_parameters(m, lay, pp_rank)
     if lay.sharded:  # HSDP's groups are rows of dp_shard consecutive data-parallel ranks
         local = {n: fsdp_rows(s[0], lay.shard, dp_rank % lay.shard) * math.prod(s[1:]) for n, s in shapes}
@@ -368,14 +392,15 @@ def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0) -> dict[st
         local = {n: math.prod(s) for n, s in shapes}
         owner = zero1_owner(shapes, lay.dp) if lay.data_parallel == "zero1" and lay.dp > 1 else {}
         owned = {n for n in local if owner.get(n, dp_rank) == dp_rank}
-    act = activation_bytes(m, lay, pp_rank)
+    act = activation_bytes(m, lay, pp_rank, dtype)
     out = {"parameters": E * sum(local.values()), "gradients": E * sum(local.values()),
            "optimizer_state": sum(2 * E * local[n] + 4 for n in owned),
            "activations": act["total"]}
     extra = {}
     if lay.checkpointing != "none":
         blocks = stage_blocks(m, lay, pp_rank)[0]
-        full = activation_bytes(m, replace(lay, checkpointing="none", pp=1, ranks=lay.ranks // lay.pp))
+        full = activation_bytes(m, replace(lay, checkpointing="none", pp=1, ranks=lay.ranks // lay.pp),
+                                dtype=dtype)
         extra["recompute (one block)"] = (full["blocks"] // max(1, m.depth)) if blocks else 0
     if lay.sharded:
         block = sum(math.prod(s) for n, s in shapes if n.startswith("blocks.0."))
@@ -758,7 +783,7 @@ def plan(m: Model, ranks: int, batch: int, gpu_memory: float, machine: dict[str,
     term that dominates each one's step."""
     rows = []
     for lay in candidate_layouts(m, ranks, batch, cfg, machine.get("gpus_per_node") or 0):
-        need = max(memory(m, lay, r)["total"] for r in range(lay.pp))  # the fullest pipeline stage
+        need = max(memory(m, lay, r, dtype=dtype)["total"] for r in range(lay.pp))  # the fullest stage
         if need > gpu_memory:
             continue
         t = step_time(m, lay, machine, dtype)
@@ -879,10 +904,18 @@ def plot_check(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 # ------------------------------------------------------------------ command line ---
-def layout_from(args: argparse.Namespace) -> Layout:
-    return Layout(args.ranks, args.data_parallel, args.tensor_parallel, args.context_parallel,
-                  args.pipeline_parallel, args.expert_parallel, args.pipeline_schedule, args.num_microbatches,
-                  args.stages_per_rank, args.activation_checkpointing, args.global_batch_size, args.dp_shard)
+# train.py's flags that say what the cost model describes: the same declarations (utils/config_groups.py)
+LAYOUT_FLAGS = ("data_parallel", "dp_shard", "tensor_parallel", "context_parallel", "pipeline_parallel",
+                "expert_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",
+                "activation_checkpointing", "global_batch_size")
+
+
+def layout_from(cfg: Any, ranks: int) -> Layout:
+    """The layout a run of ``cfg`` on ``ranks`` ranks trains with (its flags resolved as train.py
+    resolves them)."""
+    return Layout(ranks, cfg.data_parallel, cfg.tensor_parallel, cfg.context_parallel, cfg.pipeline_parallel,
+                  cfg.expert_parallel, cfg.pipeline_schedule, cfg.num_microbatches, cfg.stages_per_rank,
+                  cfg.activation_checkpointing, cfg.global_batch_size, cfg.dp_shard)
 
 
 def show(m: Model, lay: Layout, machine: dict[str, Any] | None, dtype: str) -> str:
@@ -892,7 +925,7 @@ def show(m: Model, lay: Layout, machine: dict[str, Any] | None, dtype: str) -> s
         f = flops(m, lay, pp_rank)
         lines.append(f"{who}{f['total'] / 1e9:.3f} GFLOP per step (" +
                      ", ".join(f"{k} {v / 1e9:.3f}" for k, v in f.items() if k != "total") + ")")
-        mem = memory(m, lay, pp_rank)
+        mem = memory(m, lay, pp_rank, dtype=dtype)
         lines.append(f"{who}memory {mem['total'] / MIB:.1f} MiB: " +
                      ", ".join(f"{k} {v / MIB:.1f}" for k, v in mem.items() if k != "total"))
         for kind, (nbytes, calls) in collectives(m, lay, pp_rank).items():
@@ -905,27 +938,18 @@ def show(m: Model, lay: Layout, machine: dict[str, Any] | None, dtype: str) -> s
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from utils.config import DEFAULT_YAML, load_config
+def arg_parser() -> argparse.ArgumentParser:
+    from training.launcher import add_config_flags
+    from utils.config import DEFAULT_YAML
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--yaml_config", default=str(DEFAULT_YAML))
     p.add_argument("--config", default="tiny")
     p.add_argument("--ranks", type=int, default=1)
-    p.add_argument("--data_parallel", default="ddp", choices=("ddp", "zero1", "fsdp", "hsdp"))
-    p.add_argument("--dp_shard", type=int, default=0)
-    p.add_argument("--tensor_parallel", type=int, default=1)
-    p.add_argument("--context_parallel", type=int, default=1)
-    p.add_argument("--pipeline_parallel", type=int, default=1)
-    p.add_argument("--expert_parallel", type=int, default=1)
-    p.add_argument("--pipeline_schedule", default="1f1b",
-                   choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
-    p.add_argument("--num_microbatches", type=int, default=4)
-    p.add_argument("--stages_per_rank", type=int, default=2)
-    p.add_argument("--activation_checkpointing", default="none", choices=("none", "full", "selective"))
-    p.add_argument("--global_batch_size", type=int, default=None)
+    add_config_flags(p, LAYOUT_FLAGS)  # as train.py declares them; left out: the config's value
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="the matmuls' precision for the time (memory is counted in fp32)")
+                   help="the matmuls' precision (autocast): the time, and the activations' bytes (weights, "
+                   "gradients and Adam's state are fp32)")
     p.add_argument("--machine", default=None, help="constants file (default: OUT/machine.json, which "
                    "--calibrate and --check write) or "
                    f"a known system: {', '.join(GPU_SYSTEMS)}")
@@ -953,88 +977,118 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--roofline", action="store_true", help="plot one block's layers against the "
                    "machine's roofline (OUT/roofline.png)")
     p.add_argument("--out", type=Path, default=REPO / "logs" / "cost_model")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from training.launcher import resolve_config
+
+    args = arg_parser().parse_args(argv)
     try:
-        cfg = load_config(args.yaml_config, args.config)
+        cfg = resolve_config(args)
     except (KeyError, ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
     m = Model.from_config(cfg)
-    if args.global_batch_size is None:
-        args.global_batch_size = cfg.global_batch_size
+    args.global_batch_size = cfg.global_batch_size
     if args.calibrate:
-        from scripts.cost_measure import calibrate
-
-        machine = calibrate(tuple(int(r) for r in args.calibrate_ranks.split(",")), args.calibrate_calls,
-                            args.calibrate_seconds)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / CONSTANTS_FILE).write_text(json.dumps(machine, indent=1))
-        for r, c in machine["by_ranks"].items():
-            print(f"{r} rank(s) at once: fp32 matmul {c['matmul_flops']['float32']['large'] / 1e9:.0f} "
-                  f"GFLOP/s, bf16 {c['matmul_flops']['bfloat16']['large'] / 1e9:.0f}, memory "
-                  f"{c['memory_bandwidth'] / 1e9:.1f} GB/s per rank" + "".join(
-                      f"; {k} {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s"
-                      for k, (lat, bw) in c.get("collectives", {}).items()))
-        print(f"written to {args.out / CONSTANTS_FILE}")
-        return 0
+        return calibrate_command(args)
     if args.check:
-        rows = run_check(args, m)
-        table = check_table(rows)
-        (args.out / "check.md").write_text(table + "\n")
-        (args.out / "check.json").write_text(json.dumps(rows, indent=1))
-        plot_check(rows, args.out / "check.png")
-        print(table)
-        good = sum(abs(r["time_error"]) <= 0.25 for r in rows)
-        print(f"step time within 25% for {good} of {len(rows)} layouts; written to {args.out}")
-        four = [r for r in rows if r["ranks"] == 4]
-        if four:
-            machine = json.loads((args.out / CONSTANTS_FILE).read_text())
-            first = plan(m, 4, cfg.global_batch_size, math.inf, machine, cfg=cfg)[0]["layout"].name
-            fastest = min(four, key=lambda r: r["measured_s"])["layout"]
-            print(f"plan's first choice on 4 ranks: {first}; the fastest 4-rank layout measured: {fastest}")
-        return 0
+        return check_command(args, m, cfg)
     machine = load_machine(Path(args.machine) if args.machine else None, args.out)
     if args.published:
-        print("| published run (samples/s) | at the A100's peaks | share of peak | predicted | published "
-              "| error |\n|---|---|---|---|---|---|")
-        for r in published(args.yaml_config):
-            print(f"| {r['run']} | {r['peak']:.1f} | {r['share']:.0%} | {r['predicted']:.1f} "
-                  f"| {r['published']} | {r['predicted'] / r['published'] - 1:+.0%} |")
-        return 0
+        return published_command(args)
     if args.roofline:
-        a100 = GPU_SYSTEMS["a100-perlmutter"]
-        args.out.mkdir(parents=True, exist_ok=True)
-        pairs = [(machine, "float32")] * bool(machine) + [(a100, "bfloat16")]
-        plot_roofline(m, pairs, args.out / "roofline.png")
-        print(f"one block of {args.config}, 16 samples: FLOPs per byte moved (fp32)")
-        for name, f, by in block_layers(m, batch=16):
-            print(f"  {name:26} {f / by:8.1f}")
-        print(f"written to {args.out / 'roofline.png'}")
-        return 0
+        return roofline_command(args, m, machine)
     if args.freezing:
-        # a training sample is a pair (t, t + dt) within one year file: a file of T steps holds T - dt
-        samples = {"the demo data's training year (make data: 730 steps)": 730 - cfg.dt,
-                   "a year of six-hourly ERA5 (1460 steps)": 1460 - cfg.dt}
-        if cfg.limit_nsamples:
-            samples[f"{args.config}'s limit_nsamples"] = cfg.limit_nsamples
-        print(f"{args.config}, batch {args.global_batch_size}:")
-        print(freezing_table(m, args.global_batch_size, samples))
-        return 0
+        return freezing_command(args, m, cfg)
     if args.plan:
-        if machine is None:
-            raise SystemExit("error: plan needs machine constants: run --calibrate first or give --machine")
-        rows = plan(m, args.gpus, args.global_batch_size, args.gpu_memory_gb * 1e9, machine, args.dtype, cfg)
-        if not rows:
-            print(f"no layout of {args.gpus} ranks fits {args.gpu_memory_gb} GB per rank")
-            return 1
-        print(f"layouts of {args.config} on {args.gpus} ranks within {args.gpu_memory_gb} GB, fastest first "
-              f"({machine['name']}):")
-        for r in rows[:12]:
-            terms = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(r["terms"].items(), key=lambda t: -t[1])
-                              if v * 1e3 >= 0.5)
-            print(f"  {r['layout'].name:32} {r['seconds'] * 1e3:8.1f} ms {r['memory'] / 1e9:7.3f} GB  "
-                  f"dominated by {r['dominant']} ({terms} ms)")
-        return 0
-    print(show(m, layout_from(args), machine, args.dtype))
+        return plan_command(args, m, cfg, machine)
+    print(show(m, layout_from(cfg, args.ranks), machine, args.dtype))
+    return 0
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    from scripts.cost_measure import calibrate
+
+    machine = calibrate(tuple(int(r) for r in args.calibrate_ranks.split(",")), args.calibrate_calls,
+                        args.calibrate_seconds)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / CONSTANTS_FILE).write_text(json.dumps(machine, indent=1))
+    for r, c in machine["by_ranks"].items():
+        print(f"{r} rank(s) at once: fp32 matmul {c['matmul_flops']['float32']['large'] / 1e9:.0f} "
+              f"GFLOP/s, bf16 {c['matmul_flops']['bfloat16']['large'] / 1e9:.0f}, memory "
+              f"{c['memory_bandwidth'] / 1e9:.1f} GB/s per rank" + "".join(
+                  f"; {k} {lat * 1e6:.0f} us + {bw / 1e9:.2f} GB/s"
+                  for k, (lat, bw) in c.get("collectives", {}).items()))
+    print(f"written to {args.out / CONSTANTS_FILE}")
+    return 0
+
+
+def check_command(args: argparse.Namespace, m: Model, cfg: Any) -> int:
+    from scripts.instruments import write_report
+
+    rows = run_check(args, m)
+    table = check_table(rows)
+    write_report(args.out, "check", table, rows)
+    plot_check(rows, args.out / "check.png")
+    print(table)
+    good = sum(abs(r["time_error"]) <= 0.25 for r in rows)
+    print(f"step time within 25% for {good} of {len(rows)} layouts; written to {args.out}")
+    four = [r for r in rows if r["ranks"] == 4]
+    if four:
+        machine = json.loads((args.out / CONSTANTS_FILE).read_text())
+        first = plan(m, 4, cfg.global_batch_size, math.inf, machine, cfg=cfg)[0]["layout"].name
+        fastest = min(four, key=lambda r: r["measured_s"])["layout"]
+        print(f"plan's first choice on 4 ranks: {first}; the fastest 4-rank layout measured: {fastest}")
+    return 0
+
+
+def published_command(args: argparse.Namespace) -> int:
+    print("| published run (samples/s) | at the A100's peaks | share of peak | predicted | published "
+          "| error |\n|---|---|---|---|---|---|")
+    for r in published(args.yaml_config):
+        print(f"| {r['run']} | {r['peak']:.1f} | {r['share']:.0%} | {r['predicted']:.1f} "
+              f"| {r['published']} | {r['predicted'] / r['published'] - 1:+.0%} |")
+    return 0
+
+
+def roofline_command(args: argparse.Namespace, m: Model, machine: dict[str, Any] | None) -> int:
+    a100 = GPU_SYSTEMS["a100-perlmutter"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    pairs = [(machine, "float32")] * bool(machine) + [(a100, "bfloat16")]
+    plot_roofline(m, pairs, args.out / "roofline.png")
+    print(f"one block of {args.config}, 16 samples: FLOPs per byte moved (fp32)")
+    for name, f, by in block_layers(m, batch=16):
+        print(f"  {name:26} {f / by:8.1f}")
+    print(f"written to {args.out / 'roofline.png'}")
+    return 0
+
+
+def freezing_command(args: argparse.Namespace, m: Model, cfg: Any) -> int:
+    # a training sample is a pair (t, t + dt) within one year file: a file of T steps holds T - dt
+    samples = {"the demo data's training year (make data: 730 steps)": 730 - cfg.dt,
+               "a year of six-hourly ERA5 (1460 steps)": 1460 - cfg.dt}
+    if cfg.limit_nsamples:
+        samples[f"{args.config}'s limit_nsamples"] = cfg.limit_nsamples
+    print(f"{args.config}, batch {args.global_batch_size}:")
+    print(freezing_table(m, args.global_batch_size, samples))
+    return 0
+
+
+def plan_command(args: argparse.Namespace, m: Model, cfg: Any, machine: dict[str, Any] | None) -> int:
+    if machine is None:
+        raise SystemExit("error: plan needs machine constants: run --calibrate first or give --machine")
+    rows = plan(m, args.gpus, args.global_batch_size, args.gpu_memory_gb * 1e9, machine, args.dtype, cfg)
+    if not rows:
+        print(f"no layout of {args.gpus} ranks fits {args.gpu_memory_gb} GB per rank")
+        return 1
+    print(f"layouts of {args.config} on {args.gpus} ranks within {args.gpu_memory_gb} GB, fastest first "
+          f"({machine['name']}):")
+    for r in rows[:12]:
+        terms = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(r["terms"].items(), key=lambda t: -t[1])
+                          if v * 1e3 >= 0.5)
+        print(f"  {r['layout'].name:32} {r['seconds'] * 1e3:8.1f} ms {r['memory'] / 1e9:7.3f} GB  "
+              f"dominated by {r['dominant']} ({terms} ms)")
     return 0
 
 

@@ -16,7 +16,6 @@ OUT/deepspeed.md (the table), OUT/deepspeed.json and OUT/deepspeed_memory.png.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.instruments import read_metrics, write_report  # noqa: E402
 from scripts.workers import worker_env  # noqa: E402
 from utils.config import DEFAULT_YAML  # noqa: E402
 
@@ -56,7 +56,7 @@ def measure(args: argparse.Namespace, label: str, flags: list[str]) -> dict[str,
     if result.returncode:
         raise SystemExit(f"error: {' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
     run_dir = next((args.out / "runs" / args.config).glob(f"*/{name}"))
-    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    last = read_metrics(run_dir)[-1]
     return {"layout": label, "memory_MiB": last["memory_MiB"], "train_loss": last["train_loss"],
             "step_ms": 1000 * args.batch / last["samples_per_sec"]}
 
@@ -129,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     title = f"config {args.config}, {args.ranks} ranks, global batch {args.batch}"
     md = [f"{title}, {args.steps} steps timed after {args.steps} of warm-up:", "", *table(rows)]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "deepspeed.md").write_text("\n".join(md) + "\n")
-    (args.out / "deepspeed.json").write_text(json.dumps(rows, indent=1))
+    write_report(args.out, "deepspeed", "\n".join(md), rows)
     plot(rows, args.out / "deepspeed_memory.png", title)
     print("\n".join(md))
     print(f"wrote {args.out / 'deepspeed.md'} and {args.out / 'deepspeed_memory.png'}")

@@ -33,8 +33,7 @@ import torch  # noqa: E402
 from scripts import cost_model as cm  # noqa: E402
 from scripts.instruments import read_metrics, write_report  # noqa: E402
 from scripts.workers import run_worker, worker_env  # noqa: E402
-from training.callbacks import Callback  # noqa: E402
-from training.context import RunContext  # noqa: E402
+from training.context import Callback, RunContext  # noqa: E402
 from training.freezing import freeze_order, step_class  # noqa: E402
 from training.trainer import EagerStep, Trainer  # noqa: E402
 from utils import checkpoint as ckpt  # noqa: E402

@@ -1,12 +1,21 @@
 #!/usr/bin/env python
-"""Check a CUDA machine end to end (about ten minutes on one GPU) and write one report.
+"""Check a CUDA machine end to end within ten minutes on one GPU, and write one report.
 
     make gpu-check                                    # or: python scripts/gpu_check.py
     python scripts/gpu_check.py --skip tests --out /tmp/gpu_check
 
 Checks, each isolated (one that fails is reported and the others still run):
 
-* ``tests``: the ``cuda``-marked tests (``pytest -m cuda``), with pass/fail counts;
+* ``tests``: every ``cuda``-marked test (``pytest -m cuda``, on 2 workers where pytest-xdist is
+  installed), reported per *part* of the course (tests/gpu_parts.py: DeepSpeed, expert
+  parallelism, compression hooks, the hang diagnosis on NCCL, FSDP offload, HSDP, ZeRO-1, memory
+  snapshots, the cost model, context and sequence parallelism, the pipeline schedules, fp16,
+  clipping, resuming, sharded checkpoints, stop signals, LAMB, torch.compile, CUDA graphs, the
+  benchmark, DALI): pass, fail or skipped with the reason, and each test's numbers (losses against
+  one process, memory, rates). Multi-rank tests run over NCCL with a rank per GPU where there are
+  GPUs enough; with fewer, their ranks share the GPUs over gloo where gloo does their collectives
+  for GPU tensors, and the others are skipped with the reason (pipelines: gloo has no send/recv
+  for GPU tensors; the hang diagnosis on NCCL: NCCL refuses two ranks on one GPU);
 * ``data``: synthetic data at the real 360 x 720 size, generated into a temporary folder
   (the three checks below train and read it);
 * ``train_vs_graph``: train.py and train_graph.py on a ``short``-sized model, same seed,
@@ -15,18 +24,20 @@ Checks, each isolated (one that fails is reported and the others still run):
 * ``dali``: the DALI GPU pipeline's batches against the PyTorch loader's (skipped when DALI
   is not importable);
 * ``ladder``: scripts/benchmark.py's rungs on the same model and data, one process per rung:
-  samples/s and MFU per rung;
-* ``parallel``: the parallel layouts on 2 ranks (DDP, FSDP, tp2, pp2), every epoch's losses
-  against a one-process run of the same model. With two GPUs or more: NCCL, a rank per GPU.
-  With one: "NCCL: skipped: one GPU", and the layouts whose collectives gloo does for GPU
-  tensors (all but pp2: gloo has no send/recv for them) run over gloo with both ranks on the
-  GPU, so that every CUDA tensor path of the parallel code has run once.
+  samples/s and MFU per rung.
 
-OUT/gpu_check_report.md and OUT/gpu_check_report.json hold the versions (torch, CUDA, cuDNN,
-NCCL, DALI), the GPU, and every check's result (pass, fail or skipped, with the reason);
-OUT/logs holds each subprocess's output. Exit code 0 when no check failed, 1 otherwise; on a
-machine without CUDA the script stops with one line and exit code 2. It runs with whatever
-python starts it (torch 2.8 to 2.15) and installs nothing.
+Time: the whole check has ``--budget_s`` (600 s), shared out in SHARES_S: each check must end by
+the time its share and those of the checks before it have run out (a check that ends early leaves
+its time to the next), and a check (or test) still running then is stopped and reported as not
+finished. The shares are estimates (tests/gpu_parts.py says how the tests' was made); no GPU has
+run this version yet.
+
+OUT/report.md and OUT/report.json hold the versions (torch, CUDA, cuDNN, NCCL, DALI), the GPU,
+every part's and check's result (pass, fail or skipped, with the reason) and their numbers;
+OUT/logs holds each subprocess's output (OUT/logs/parts: every test's jobs). Exit code 0 when
+nothing failed, 1 otherwise; on a machine without CUDA the script stops with one line and exit
+code 2. It runs with whatever python starts it (torch 2.8 to 2.15; pytest for the tests) and
+installs nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +57,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,12 +68,19 @@ if str(REPO) not in sys.path:
 
 log = logging.getLogger("gpu_check")
 
-CHECKS = ("tests", "data", "train_vs_graph", "dali", "ladder", "parallel")
-NEEDS_DATA = ("train_vs_graph", "dali", "ladder", "parallel")
+CHECKS = ("tests", "data", "train_vs_graph", "dali", "ladder")
+NEEDS_DATA = ("train_vs_graph", "dali", "ladder")
+# each check's share of the default budget, in seconds (estimates; docs/02-optimizations.md says
+# how they were made): the tests, about 400 s of jobs on one GPU by tests/gpu_parts.py's estimates,
+# on 2 pytest workers; generating 68 samples of 360 x 720 (51 s on a 2-core Intel Xeon); 2 x 24
+# steps of `short` with 12 validations each; 11 DALI batches; 7 rungs of about 12 s (process,
+# loader workers, 15 steps) and torch.compile's first compile of `short` (about a minute)
+SHARES_S = {"tests": 320, "data": 70, "train_vs_graph": 60, "dali": 30, "ladder": 120}
+BUDGET_S = sum(SHARES_S.values())
 CONFIG = "gpu_check"  # the config the runs use: `short` on the generated data
 IMG_SIZE = (360, 720)
 VALID_SAMPLES = 16  # validation samples per epoch of the training runs
-REPORT = "gpu_check_report"
+REPORT = "report"
 # a batch the DALI pipeline gives must equal the PyTorch loader's up to the last bit of the
 # normalisation, which runs on the GPU there (as tests/test_dali.py)
 DALI_RTOL = DALI_ATOL = 1e-6
@@ -77,6 +94,13 @@ class Context:
     work: Path  # temporary: data, training runs, benchmark output
     yaml: Path | None = None  # the runs' config file, once the data exists
     dali_error: str | None = None  # why DALI cannot be imported, if it cannot
+    deadline: float = math.inf  # time.monotonic() by which the running check must end
+    parts: dict[str, Any] | None = None  # the tests' results by part (tests/gpu_parts.py)
+
+    def time_left(self) -> float:
+        """Seconds a subprocess of the running check may take: --timeout, or less before the
+        check's deadline."""
+        return max(1.0, min(self.args.timeout, self.deadline - time.monotonic()))
 
 
 # ------------------------------------------------------------------ results ---
@@ -109,20 +133,43 @@ def run_check(name: str, check: Callable[[Context], dict[str, Any]], ctx: Contex
     return out
 
 
+def deadlines(start: float, budget_s: float, names: list[str]) -> dict[str, float]:
+    """When each check must end: ``start`` plus its share of ``budget_s`` and those of the
+    checks before it (SHARES_S, scaled to the budget)."""
+    scale, end, out = budget_s / BUDGET_S, start, {}
+    for name in names:
+        end += SHARES_S.get(name, 0) * scale
+        out[name] = end
+    return out
+
+
 def run_plan(plan: list[tuple[str, Callable[[Context], dict[str, Any]]]], ctx: Context,
              report: dict[str, Any], skip: set[str]) -> None:
-    """Run the checks in order into ``report["checks"]``, rewriting the report after each one
-    (a later crash or kill still leaves the results so far)."""
+    """Run the checks in order into ``report["checks"]``, each within its deadline, rewriting the
+    report after each one (a later crash or kill still leaves the results so far)."""
+    ends = deadlines(time.monotonic(), ctx.args.budget_s, [name for name, _ in plan])
     for name, check in plan:
+        ctx.deadline = ends[name]
         if name in skip:
             res = skipped(f"--skip {name}")
+            if name == "tests":  # the report still names every part
+                from tests import gpu_parts
+
+                ctx.parts = gpu_parts.all_skipped("--skip tests")
         elif name in NEEDS_DATA and ctx.yaml is None:
             res = skipped("no data: the data check did not produce it")
+        elif time.monotonic() >= ctx.deadline:
+            res = failed(f"not run: the checks before it used its share of the {ctx.args.budget_s:.0f} s "
+                         f"budget")
         else:
             print(f"{name} ...", flush=True)
             res = run_check(name, check, ctx)
         report["checks"][name] = res
         print(f"{name:<15} {res['status']:<8} {res.get('seconds', 0):6.0f} s  {res['reason']}", flush=True)
+        if name == "tests" and ctx.parts:
+            report["parts"] = ctx.parts
+            for part, r in ctx.parts.items():
+                print(f"  {part:<17} {r['status']:<8} {r['seconds']:6.0f} s  {r['reason']}", flush=True)
         write_report(report, ctx.out)
 
 
@@ -131,19 +178,23 @@ def child_env() -> dict[str, str]:
     """This environment for the project's scripts: no launcher variables (a child must not think
     it is one rank of many), the repository on the path before whatever the python needs."""
     from scripts.workers import with_repo_on_path
+    from utils.device import cuda_available
 
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
+    if cuda_available():  # under pytest: no forks of the suite's fork server, unproven with CUDA
+        env = {k: v for k, v in env.items() if not k.startswith("FAST_START_")}
     env["PYTHONUNBUFFERED"] = "1"
     return with_repo_on_path(env)
 
 
-def run_logged(cmd: list[str], log_path: Path, timeout: float) -> int | None:
-    """Run ``cmd`` in the repository with its output in ``log_path``; its exit code, or None
-    when it ran past ``timeout`` seconds (it and its children are then killed)."""
+def run_logged(cmd: list[str], log_path: Path, timeout: float, **env: str) -> int | None:
+    """Run ``cmd`` in the repository with its output in ``log_path`` (and ``env`` added to the
+    environment); its exit code, or None when it ran past ``timeout`` seconds (it and its
+    children are then killed)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log.info("running %s (output in %s)", " ".join(cmd), log_path)
     with open(log_path, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=child_env(),
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**child_env(), **env},
                                 start_new_session=True)  # its own process group, to stop it whole
         try:
             return proc.wait(timeout=timeout)
@@ -180,7 +231,8 @@ def refusal() -> str | None:
     except Exception as err:  # a broken torch install is reported in one line too
         first = (str(err).strip().splitlines() or [""])[0]
         return (f"error: {sys.executable} cannot import torch ({type(err).__name__}: {first}); run "
-                f"gpu_check.py with a python that has torch 2.8 or newer (or `make venv`)")
+                f"gpu_check.py with a python that has torch 2.8 or newer: make gpu-check PYTHON=/path/to/"
+                f"python (on a GPU node, the container's), or activate .venv (make venv) first")
     from utils.compat import check_torch
     from utils.device import cuda_available
 
@@ -254,40 +306,54 @@ def _version_of(package: str) -> str | None:
 
 
 # ------------------------------------------------------------------- tests ---
-def junit_counts(path: Path) -> dict[str, Any]:
-    """Passed, failed, errors and skipped from pytest's JUnit XML, and the failing tests' ids."""
-    root = ET.parse(path).getroot()
-    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    failing = [f"{case.get('classname', '')}::{case.get('name', '')}" for case in root.iter("testcase")
-               if case.find("failure") is not None or case.find("error") is not None]
-    return {"passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"],
-            "failed": total["failures"], "errors": total["errors"], "skipped": total["skipped"],
-            "failing": failing}
+def pytest_command(results: Path, workers: int) -> list[str]:
+    """pytest on every `cuda` test of the part table's files (less those it leaves out), the table's
+    plugin writing each test's result to ``results``; on ``workers`` pytest-xdist workers when
+    there are more than one and pytest-xdist is installed."""
+    from tests import gpu_parts
+
+    files = sorted({name.split("::")[0] for name in gpu_parts.TESTS})
+    xdist = workers > 1 and importlib.util.find_spec("xdist") is not None
+    spread = ["-n", str(workers), "--dist", "load"] if xdist else []
+    return [sys.executable, "-m", "pytest", "-m", "cuda", "-p", "tests.gpu_parts", "-p", "no:cacheprovider",
+            "-q", "-rs", *spread, *[f"--deselect={name}" for name in gpu_parts.left_out()], *files]
 
 
-def check_tests(ctx: Context) -> dict[str, Any]:
+def check_tests(ctx: Context, gpus: int | None = None) -> dict[str, Any]:
+    """The `cuda` tests, then every part's result from theirs (``ctx.parts``)."""
+    from tests import gpu_parts
+    from utils import device as dev
+
+    gpus = dev.gpu_count() if gpus is None else gpus
     if importlib.util.find_spec("pytest") is None:
-        return skipped(f"pytest is not installed for {sys.executable}")
-    xml = ctx.out / "logs" / "cuda_tests.xml"
-    log_path = ctx.out / "logs" / "cuda_tests.log"
-    rc = run_logged([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-                     f"--junitxml={xml}"], log_path, ctx.args.timeout)
+        why = (f"pytest is not installed for {sys.executable}: no part was checked (install pytest, "
+               f"pytest-timeout and pytest-xdist for it, or run with a python that has them)")
+        ctx.parts = gpu_parts.all_skipped(why)
+        return skipped(why)
+    logs = ctx.out / "logs"
+    results, log_path = logs / "cuda_tests.jsonl", logs / "cuda_tests.log"
+    results.unlink(missing_ok=True)
+    timeout = ctx.time_left()
+    rc = run_logged(pytest_command(results, ctx.args.test_workers), log_path, timeout,
+                    **{gpu_parts.RESULTS_ENV: str(results), "GPU_CHECK_LOGS": str(logs / "parts")})
+    found = gpu_parts.read_results(results)
     if rc is None:
-        return failed(f"pytest {exit_text(rc, ctx.args.timeout)} (logs/cuda_tests.log)")
-    if rc == 5:
-        return failed("no cuda-marked test was collected")
-    if not xml.is_file():
-        return failed(f"pytest exited with {rc} and wrote no results: {tail_reason(log_path)}")
-    counts = junit_counts(xml)
-    summary = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['errors']} errors, "
-               f"{counts['skipped']} skipped")
-    if rc == 0 and not counts["failed"] and not counts["errors"]:
-        if not counts["passed"]:  # with CUDA here, every cuda test skipped means something is off
-            return failed(f"{summary}: no cuda test ran (logs/cuda_tests.log)", **counts)
-        return passed(summary, **counts)
-    names = ", ".join(counts["failing"][:5]) or tail_reason(log_path)
-    return failed(f"{summary}: {names} (logs/cuda_tests.log)", **counts)
+        not_run = f"not finished: the tests ran past their {timeout:.0f} s (logs/cuda_tests.log)"
+    else:
+        not_run = f"did not run: pytest exited with {rc}: {tail_reason(log_path)} (logs/cuda_tests.log)"
+    ctx.parts = gpu_parts.part_results(found, gpus, not_run)
+    counts = {s: sum(r["outcome"] == s for r in found.values()) for s in ("passed", "failed", "skipped")}
+    summary = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
+               f"(logs/cuda_tests.log)")
+    bad = [name for name, r in ctx.parts.items() if r["status"] == "fail"]
+    if rc is None or bad:
+        why = f"pytest {exit_text(rc, timeout)}; " if rc is None else ""
+        return failed(f"{why}{summary}; failing parts: {', '.join(bad) or 'none'}", **counts)
+    if rc not in (0, 1) and not found:
+        return failed(f"pytest exited with {rc} and ran no test: {tail_reason(log_path)}", **counts)
+    if not counts["passed"]:  # with CUDA here, every cuda test skipped means something is off
+        return failed(f"{summary}: no cuda test ran", **counts)
+    return passed(summary, **counts)
 
 
 # -------------------------------------------------------------------- data ---
@@ -324,10 +390,6 @@ def describe_model(cfg: Any) -> str:
 
 
 # ---------------------------------------------------------- train vs graph ---
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def relative_difference(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
@@ -373,22 +435,24 @@ RUNS = (("train", "train.py"), ("graph", "train_graph.py"))  # (run name, script
 
 
 def check_train_vs_graph(ctx: Context, runs: tuple[tuple[str, str], ...] = RUNS) -> dict[str, Any]:
+    from scripts.instruments import read_metrics
     from utils.config import load_config
 
     run_root = load_config(ctx.yaml, CONFIG).exp_path / CONFIG
     records = []
     for label, script in runs:
         log_path = ctx.out / "logs" / f"{label}.log"
+        timeout = ctx.time_left()
         rc = run_logged([sys.executable, str(REPO / script), "--yaml_config", str(ctx.yaml),
                          "--config", CONFIG, "--run_num", label, "--num_iters", str(ctx.args.steps),
-                         "--amp_mode", "bf16"], log_path, ctx.args.timeout)
+                         "--amp_mode", "bf16"], log_path, timeout)
         if rc != 0:
-            return failed(f"{script} {exit_text(rc, ctx.args.timeout)}: {tail_reason(log_path)}")
+            return failed(f"{script} {exit_text(rc, timeout)}: {tail_reason(log_path)}")
         found = sorted(run_root.glob(f"*/{label}/metrics.jsonl"))
         if not found:
             return failed(f"{script} wrote no metrics.jsonl")
         shutil.copy(found[0], ctx.out / "logs" / f"{label}_metrics.jsonl")
-        records.append(read_metrics(found[0]))
+        records.append(read_metrics(found[0].parent))
     names = (runs[0][1], runs[1][1])
     res = compare_losses(records[0], records[1], ctx.args.loss_rtol, names)
     if records[0] and records[1]:
@@ -444,10 +508,11 @@ def check_dali(ctx: Context) -> dict[str, Any]:
         return skipped(f"NVIDIA DALI is not importable ({ctx.dali_error})")
     out = ctx.work / "dali.json"
     log_path = ctx.out / "logs" / "dali.log"
+    timeout = ctx.time_left()
     rc = run_logged([sys.executable, str(Path(__file__).resolve()), "--dali_worker", str(ctx.yaml),
-                     str(out)], log_path, ctx.args.timeout)
+                     str(out)], log_path, timeout)
     if rc != 0 or not out.is_file():
-        return failed(f"the DALI comparison {exit_text(rc, ctx.args.timeout)}: {tail_reason(log_path)}")
+        return failed(f"the DALI comparison {exit_text(rc, timeout)}: {tail_reason(log_path)}")
     return json.loads(out.read_text())
 
 
@@ -457,14 +522,15 @@ def run_rung(ctx: Context, name: str) -> dict[str, Any]:
     slug = name.lstrip("+")
     bench_dir = ctx.work / "ladder" / slug
     log_path = ctx.out / "logs" / f"ladder_{slug}.log"
+    timeout = ctx.time_left()
     rc = run_logged([sys.executable, str(REPO / "scripts" / "benchmark.py"), "--yaml_config",
                      str(ctx.yaml), "--config", CONFIG, "--rungs", name, "--no_bare",
                      "--steps", str(a.ladder_steps), "--warmup", "3", "--profile_steps", "2",
                      "--loader_batches", "4", "--workers", str(a.workers), "--amp", "bf16",
                      "--matmul_size", str(a.matmul_size),
-                     "--out_dir", str(bench_dir)], log_path, a.timeout)
+                     "--out_dir", str(bench_dir)], log_path, timeout)
     if rc != 0:
-        return failed(f"benchmark.py {exit_text(rc, a.timeout)}: {tail_reason(log_path)}")
+        return failed(f"benchmark.py {exit_text(rc, timeout)}: {tail_reason(log_path)}")
     bench = json.loads((bench_dir / "benchmark.json").read_text())
     shutil.copy(bench_dir / "benchmark.md", ctx.out / "logs" / f"ladder_{slug}.md")
     if not bench["rungs"]:  # its reason is a line 'skipping NAME: why' on stderr
@@ -485,6 +551,8 @@ def check_ladder(ctx: Context) -> dict[str, Any]:
     for name in ctx.args.rungs:
         if name == "+DALI" and ctx.dali_error:
             res = skipped("NVIDIA DALI is not importable; the later rungs keep the PyTorch DataLoader")
+        elif time.monotonic() >= ctx.deadline:
+            res = failed(f"not run: the ladder's share of the {ctx.args.budget_s:.0f} s budget was spent")
         else:
             print(f"  rung {name} ...", flush=True)
             res = run_check(f"ladder {name}", lambda c, n=name: run_rung(c, n), ctx)
@@ -500,92 +568,24 @@ def check_ladder(ctx: Context) -> dict[str, Any]:
                   f"{best['samples_per_sec']:.1f} samples/s, MFU {best['mfu']:.1%}", rungs=rungs)
 
 
-# ---------------------------------------------------------------- parallel ---
-# (name, entry script, flags): 2-rank layouts, each against the one-process run
-PARALLEL_JOBS = (("ddp", "train.py", ()), ("fsdp", "train.py", ("--data_parallel", "fsdp")),
-                 ("tp2", "train_mp.py", ("--tensor_parallel", "2")),
-                 ("pp2", "train_mp.py", ("--pipeline_parallel", "2")))
-GLOO_CANNOT = {"pp2": "gloo has no send/recv for GPU tensors (torch's backend table); it needs two GPUs"}
-
-
-def parallel_plan(gpus: int, names: list[str]) -> tuple[str, list[tuple[str, str, tuple[str, ...], str]]]:
-    """The backend and, per job, (name, script, flags, why it is skipped or ""), for ``gpus``
-    visible GPUs: NCCL with a rank per GPU from two on, gloo with both ranks on one GPU below."""
-    jobs = [job for job in PARALLEL_JOBS if job[0] in names]
-    if gpus >= 2:
-        return "nccl", [(n, script, flags, "") for n, script, flags in jobs]
-    return "gloo", [(n, script, (*flags, "--dist_backend", "gloo"), GLOO_CANNOT.get(n, ""))
-                    for n, script, flags in jobs]
-
-
-def train_run(ctx: Context, label: str, script: str, flags: tuple[str, ...], ranks: int
-              ) -> tuple[list[dict[str, Any]] | None, str]:
-    """Train ``label`` (torchrun for several ranks); its metrics records, or None and why not."""
-    a = ctx.args
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                    "--standalone", f"--nproc_per_node={ranks}"]
-    log_path = ctx.out / "logs" / f"parallel_{label}.log"
-    rc = run_logged([*launcher, str(REPO / script), "--yaml_config", str(ctx.yaml), "--config", CONFIG,
-                     "--run_num", label, "--num_iters", str(a.parallel_steps), "--amp_mode", "bf16", *flags],
-                    log_path, a.timeout)
-    if rc != 0:
-        return None, f"{label}: {script} {exit_text(rc, a.timeout)}: {tail_reason(log_path)}"
-    from utils.config import load_config
-
-    found = sorted((load_config(ctx.yaml, CONFIG).exp_path / CONFIG).glob(f"*/{label}/metrics.jsonl"))
-    if not found:
-        return None, f"{label}: {script} wrote no metrics.jsonl"
-    return read_metrics(found[0]), ""
-
-
-def check_parallel(ctx: Context, gpus: int | None = None) -> dict[str, Any]:
-    """The 2-rank layouts against one process, same seed, global batch and precision (bf16, as the
-    train_vs_graph check)."""
-    if gpus is None:
-        from utils import device as dev
-
-        gpus = dev.gpu_count()
-    backend, jobs = parallel_plan(gpus, ctx.args.parallel_jobs)
-    reference, why = train_run(ctx, "serial", "train.py", (), 1)
-    if reference is None:
-        return failed(why)
-    rows, notes = [], ["NCCL: skipped: one GPU"] if backend == "gloo" else []
-    for name, script, flags, skip in jobs:
-        if skip:
-            rows.append({"name": name, "status": "skipped", "reason": skip})
-            continue
-        records, why = train_run(ctx, name, script, flags, 2)
-        res = failed(why) if records is None else compare_losses(reference, records, ctx.args.loss_rtol,
-                                                                 ("one process", name))
-        rows.append({"name": name, "status": res["status"], "reason": res["reason"],
-                     "max_rel_diff": res.get("max_rel_diff")})
-    bad = [r for r in rows if r["status"] == "fail"]
-    ran = [r["name"] for r in rows if r["status"] == "pass"]
-    skipped_jobs = [f"{r['name']} skipped: {r['reason']}" for r in rows if r["status"] == "skipped"]
-    where = "a rank per GPU" if backend == "nccl" else "both ranks on GPU 0"
-    details = {"backend": backend, "gpus": gpus, "jobs": rows}
-    if bad:
-        return failed("; ".join(f"{r['name']}: {r['reason']}" for r in bad), **details)
-    if not ran:
-        return skipped("; ".join(notes + skipped_jobs) or "no layout chosen", **details)
-    text = (f"{backend} ({where}): {', '.join(ran)} logged the one-process losses within "
-            f"{ctx.args.loss_rtol:.1%}")
-    return passed("; ".join([*notes, text, *skipped_jobs]), **details)
-
-
 # ------------------------------------------------------------------ report ---
 def write_report(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
-    """OUT/gpu_check_report.json (everything) and OUT/gpu_check_report.md (for people)."""
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / f"{REPORT}.json", out / f"{REPORT}.md"
-    json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    md_path.write_text(markdown(report))
-    return md_path, json_path
+    """OUT/report.json (everything) and OUT/report.md (for people)."""
+    from scripts import instruments
+
+    return instruments.write_report(out, REPORT, markdown(report), report)
 
 
 def overall(report: dict[str, Any]) -> dict[str, int]:
+    """Results counted over the parts and the checks; the tests check, which the parts detail,
+    only when there are no parts or it failed for a reason no part shows (no test ran, say)."""
     counts = {"pass": 0, "fail": 0, "skipped": 0}
-    for res in report["checks"].values():
+    parts = report.get("parts") or {}
+    part_failed = any(r["status"] == "fail" for r in parts.values())
+    tests = report["checks"].get("tests", {}).get("status")
+    own = not parts or (tests == "fail" and not part_failed)
+    rows = [*parts.values(), *[r for name, r in report["checks"].items() if name != "tests" or own]]
+    for res in rows:
         counts[res["status"]] = counts.get(res["status"], 0) + 1
     return counts
 
@@ -598,28 +598,37 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report.get('started', '')}; {report.get('seconds', 0):.0f} s; `{report.get('command', '')}`",
              ""]
     lines += _environment_md(report.get("environment", {}))
+    lines += _parts_md(report.get("parts") or {})
     lines += ["## Checks", "", "| check | result | seconds | details |", "|---|---|---|---|"]
     for name, res in report["checks"].items():
-        reason = str(res.get("reason", "")).replace("|", "\\|")
+        reason = _cell(res.get("reason", ""))
         lines.append(f"| {name} | {res['status']} | {res.get('seconds', 0):.0f} | {reason} |")
     lines += _losses_md(report["checks"].get("train_vs_graph", {}))
     lines += _ladder_md(report["checks"].get("ladder", {}), report["checks"].get("data", {}).get("model"),
                         report.get("options", {}))
-    lines += _parallel_md(report["checks"].get("parallel", {}))
     return "\n".join(lines) + "\n"
 
 
-def _parallel_md(res: dict[str, Any]) -> list[str]:
-    if not res.get("jobs"):
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _parts_md(parts: dict[str, Any]) -> list[str]:
+    """One row per part: its result, seconds, where its tests ran, their numbers, the reasons."""
+    if not parts:
         return []
-    title = f"Parallel layouts on 2 ranks against one process ({res['backend']}, {res['gpus']} GPU(s))"
-    lines = ["", f"## {title}",
-             "", "| layout | result | largest loss difference | details |", "|---|---|---|---|"]
-    for r in res["jobs"]:
-        diff = f"{r['max_rel_diff']:.3%}" if r.get("max_rel_diff") is not None else ""
-        reason = str(r.get("reason", "")).replace("|", "\\|")
-        lines.append(f"| {r['name']} | {r['status']} | {diff} | {reason} |")
-    return lines
+    from tests.gpu_parts import numbers_text, short
+
+    lines = ["## Parts (the cuda tests, by tests/gpu_parts.py)", "",
+             "| part | result | seconds | where | numbers | details |", "|---|---|---|---|---|---|"]
+    for name, res in parts.items():
+        tests = res["tests"]
+        where = "; ".join(dict.fromkeys(t["where"] for t in tests if t["where"] and t["status"] != "skipped"))
+        numbers = " / ".join((f"{short(t['test'])}: " if len(tests) > 1 else "") + numbers_text(t["numbers"])
+                             for t in tests if t["numbers"])
+        lines.append(f"| {name} | {res['status']} | {res['seconds']:.0f} | {_cell(where)} | {_cell(numbers)} "
+                     f"| {_cell(res['title'] + ('. ' + res['reason'] if res['reason'] else ''))} |")
+    return [*lines, ""]
 
 
 def _environment_md(env: dict[str, Any]) -> list[str]:
@@ -699,14 +708,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=4, help="data loader workers")
     p.add_argument("--matmul_size", type=int, default=2048,
                    help="size of the square matmuls that measure each rung's peak FLOP/s (benchmark.py)")
-    p.add_argument("--parallel_steps", type=int, default=8,
-                   help="training steps of the parallel check's runs")
-    p.add_argument("--parallel_jobs", default=",".join(job[0] for job in PARALLEL_JOBS),
-                   help="comma-separated layouts of the parallel check: "
-                        + ", ".join(job[0] for job in PARALLEL_JOBS))
-    p.add_argument("--samples_per_year", type=int, default=48,
-                   help="synthetic samples per split (about 21 MB each at 360 x 720)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds each subprocess may run")
+    p.add_argument("--test_workers", type=int, default=2,
+                   help="pytest-xdist workers of the tests, where pytest-xdist is installed (1: none)")
+    p.add_argument("--samples_per_year", type=int, default=34,
+                   help="synthetic samples per split (about 21 MB each at 360 x 720; 34: two batches "
+                        "of 16 (t, t + 1) pairs)")
+    p.add_argument("--budget_s", type=float, default=BUDGET_S,
+                   help=f"seconds the whole check may take (default {BUDGET_S}), shared out as "
+                        + ", ".join(f"{k} {v}" for k, v in SHARES_S.items()))
+    p.add_argument("--timeout", type=float, default=600, help="seconds each subprocess may run at most")
     p.add_argument("--work_dir", type=Path, default=None,
                    help="where the temporary data and runs go (default: the system's temp folder)")
     p.add_argument("--keep", action="store_true", help="keep the temporary data and runs")
@@ -716,16 +726,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = args.skip - set(CHECKS)
     if unknown:
         p.error(f"unknown check(s) for --skip: {', '.join(sorted(unknown))}; choose from {', '.join(CHECKS)}")
-    if min(args.steps, args.ladder_steps, args.batch, args.parallel_steps) < 1 or args.workers < 0 \
-            or args.loss_rtol <= 0 or args.matmul_size < 2:
-        p.error("--steps, --ladder_steps, --parallel_steps and --batch must be at least 1, --workers "
-                "at least 0, --loss_rtol above 0")
-    args.parallel_jobs = [n.strip() for n in args.parallel_jobs.split(",") if n.strip()]
-    unknown_jobs = set(args.parallel_jobs) - {job[0] for job in PARALLEL_JOBS}
-    if unknown_jobs or not args.parallel_jobs:
-        what = f"unknown layout(s) {', '.join(sorted(unknown_jobs))}" if unknown_jobs else "no layout"
-        p.error(f"{what} for --parallel_jobs; choose from {', '.join(job[0] for job in PARALLEL_JOBS)} "
-                f"(or --skip parallel)")
+    if min(args.steps, args.ladder_steps, args.batch, args.test_workers) < 1 or args.workers < 0 \
+            or args.loss_rtol <= 0 or args.matmul_size < 2 or args.budget_s <= 0:
+        p.error("--steps, --ladder_steps, --batch and --test_workers must be at least 1, --workers "
+                "at least 0, --loss_rtol and --budget_s above 0")
     if args.samples_per_year < args.batch + 2:
         p.error(f"--samples_per_year must be at least --batch + 2 ({args.batch + 2}): one batch of "
                 f"(t, t + 1) pairs")
@@ -753,7 +757,7 @@ def setup_logging(path: Path) -> None:
 
 PLAN: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
     ("tests", check_tests), ("data", check_data), ("train_vs_graph", check_train_vs_graph),
-    ("dali", check_dali), ("ladder", check_ladder), ("parallel", check_parallel),
+    ("dali", check_dali), ("ladder", check_ladder),
 ]
 
 

@@ -128,5 +128,5 @@ def write_report(out_dir: Path, name: str, markdown: str, data: Any) -> tuple[Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     md, js = out_dir / f"{name}.md", out_dir / f"{name}.json"
     write_text_atomic(md, markdown if markdown.endswith("\n") else markdown + "\n")
-    write_text_atomic(js, json.dumps(data, indent=1) + "\n")
+    write_text_atomic(js, json.dumps(data, indent=1, default=str) + "\n")  # paths, dtypes as text
     return md, js

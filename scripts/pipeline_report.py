@@ -26,8 +26,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from scripts.instruments import write_report  # noqa: E402
 from scripts.workers import run_worker, worker_env  # noqa: E402
-from utils.config_checks import INTERLEAVED  # noqa: E402
+from utils.config_groups import INTERLEAVED  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 RECORD_FILE = "pipeline_rank{rank}.json"
@@ -188,8 +189,7 @@ def driver(argv: list[str] | None = None) -> int:
           f"{args.stages_per_rank} stages per rank; the last of {args.steps} steps recorded.", "",
           *table(rows)]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pipeline.md").write_text("\n".join(md) + "\n")
-    (args.out / "pipeline.json").write_text(json.dumps(rows, indent=1))
+    write_report(args.out, "pipeline", "\n".join(md), rows)
     pp, m = (int(x) for x in args.timeline.split(":"))
     drawn = [r for r in rows if (r["pp"], r["microbatches"]) == (pp, m)] or rows[:3]
     plot(drawn, args.out / "pipeline_timeline.png")

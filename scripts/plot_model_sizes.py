@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ruamel.yaml import YAML  # noqa: E402
 
 from networks.vit import build_vit, count_parameters  # noqa: E402
-from utils.config import Config  # noqa: E402
+from utils.config import FIELDS, Config  # noqa: E402
 
 
 def run_summary(run_dir: Path) -> dict[str, Any]:
@@ -38,10 +38,9 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     if not metrics.is_file() or not config.is_file():
         raise ValueError(f"{run_dir} is not a finished run (no metrics.jsonl or config.yaml)")
     (name, values), = YAML(typ="safe", pure=True).load(config.read_text()).items()
-    known = Config.__annotations__
-    cfg = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in known})
+    cfg = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in FIELDS})
     last = json.loads(metrics.read_text().splitlines()[-1])
-    return {"name": name, "run_dir": str(run_dir), "parameters": count_parameters(build_vit(cfg)),
+    return {"name": name, "run_dir": str(run_dir), "parameters": count_parameters(build_vit(cfg.model)),
             "embed_dim": cfg.embed_dim, "depth": cfg.depth, "step": last["step"],
             "val_loss": last["val_loss"],
             "rmse": sum(last["rmse"].values()) / len(last["rmse"]),

@@ -29,7 +29,7 @@ from utils.plots import target_vs_prediction  # noqa: E402
 def load_run(run_dir: Path, data_dir: str | None):
     names = available_configs(run_dir / "config.yaml")
     cfg = with_overrides(load_config(run_dir / "config.yaml", names[0]), data_dir=data_dir)
-    model = build_vit(cfg)
+    model = build_vit(cfg.model)
     model.load_state_dict(ckpt.load(run_dir / ckpt.CHECKPOINT_NAME)["model"])
     return cfg, model.eval()
 

@@ -11,7 +11,6 @@ few channels next to the RMSE of persistence (predicting no change) after every 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,13 +18,13 @@ DEFAULT_CHANNELS = ("u10m", "t2m", "z500")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise SystemExit(f"error: {path} not found; pass a run directory written by train.py")
-    epochs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not epochs:
-        raise SystemExit(f"error: {path} is empty; let the run finish an epoch first")
-    return epochs
+    """The run's epochs (scripts/instruments.py), or a one-line error."""
+    from scripts.instruments import read_metrics as read
+
+    try:
+        return read(run_dir)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 def plot(epochs: list[dict], channels: tuple[str, ...], out: Path, title: str) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.instruments import read_metrics  # noqa: E402
+from scripts.instruments import read_metrics, write_report  # noqa: E402
 from scripts.workers import run_worker, worker_env  # noqa: E402
 
 MODES = ("ddp", "zero1", "fsdp")
@@ -120,7 +120,7 @@ def fits_table(configs: list[str], yaml: str) -> list[str]:
         import torch
 
         with torch.device("meta"):
-            params = count_parameters(build_vit(cfg))
+            params = count_parameters(build_vit(cfg.model))
         for ranks in (4, 64):
             local = max(1, cfg.global_batch_size // ranks)
             for ac in ("none", "full"):
@@ -224,7 +224,7 @@ def driver(argv: list[str] | None = None) -> int:
     p.add_argument("flags", nargs="*", help="more train.py flags after --, e.g. -- --data_dir DIR")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
-    params = count_parameters(build_vit(load_config(args.yaml_config, args.config)))
+    params = count_parameters(build_vit(load_config(args.yaml_config, args.config).model))
     rows = [measure(args, mode, n) for mode in args.modes for n in args.ranks
             if not (n == 1 and mode != "ddp")]
     acts = [measure(args, "ddp", 1, ac) for ac in args.checkpointing]
@@ -238,8 +238,7 @@ def driver(argv: list[str] | None = None) -> int:
           f"activations; 'fits' leaves 10% of a {A100_GB} GB A100 free):", "",
           *fits_table(args.paper_configs, args.yaml_config)]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sharding.md").write_text("\n".join(md) + "\n")
-    (args.out / "sharding.json").write_text(json.dumps({"rows": rows, "checkpointing": acts}, indent=1))
+    write_report(args.out, "sharding", "\n".join(md), {"rows": rows, "checkpointing": acts})
     plot(rows, args.out / "sharding_memory.png")
     print("\n".join(md))
     print(f"wrote {args.out / 'sharding.md'} and {args.out / 'sharding_memory.png'}")

@@ -25,9 +25,11 @@ EXIT_STOPPED=75  # utils/signals.py: stopped on a signal after writing the check
 
 # HDF5's file locks fail or serialise reads on Lustre and DVS mounts; the data is read-only.
 export HDF5_USE_FILE_LOCKING=FALSE
-# Rendezvous: the batch script runs on the job's first node; a port derived from the job ID
-# lets several jobs share a node.
-export MASTER_ADDR=${MASTER_ADDR:-$(hostname)}
+# Rendezvous: rank 0 runs on the job's first node, named as the node list names it (as
+# export_DDP_vars.sh and distributed/env.py name it without this); a port derived from the job
+# ID lets several jobs share a node.
+export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | head -n 1)}
+export MASTER_ADDR=${MASTER_ADDR:-$(hostname)}   # no node list (not inside a job)
 export MASTER_PORT=${MASTER_PORT:-$((29500 + ${SLURM_JOB_ID:-0} % 20000))}
 if [ "${NERSC_HOST:-}" = perlmutter ]; then
   export FI_MR_CACHE_MONITOR=userfaultfd  # libfabric memory registration cache on Slingshot

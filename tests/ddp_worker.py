@@ -15,6 +15,8 @@ Environment variables (all optional):
                           gradient all-reduce runs: frozen, as a rank on a failing node is
   DDP_TEST_DIE_BEFORE_LATEST=S  the process dies when its sharded checkpoint of step S is on
                           disk but not yet named by LATEST (a save killed midway)
+  DDP_TEST_TRACE=S:PATH   every rank writes to PATH.rankR the repository's files whose functions
+                          its step S calls (tests/test_spine.py)
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class Faults(Callback):
     freeze_at = _at("DDP_TEST_FREEZE_AT")
     exit_at = _at("DDP_TEST_EXIT_AT") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else None
 
-    def step_start(self, trainer) -> None:
+    def inject(self, trainer) -> None:
         if trainer.step == self.exit_at:
             os._exit(1)
         if trainer.step == self.freeze_at:  # the first parameter's gradient is among the last in backward
@@ -82,10 +84,34 @@ class Faults(Callback):
                 else:
                     os.kill(os.getpid(), sig)
 
+    trace = os.environ.get("DDP_TEST_TRACE", "").split(":", 1)
+
+    def step_start(self, trainer) -> None:
+        self.inject(trainer)
+        if len(self.trace) == 2 and trainer.step == int(self.trace[0]):
+            self.called: set[str] = set()
+            sys.setprofile(project_calls(self.called))
+
     def step_end(self, trainer, loss: torch.Tensor) -> torch.Tensor | None:
+        if len(self.trace) == 2 and trainer.step == int(self.trace[0]):
+            sys.setprofile(None)
+            Path(f"{self.trace[1]}.rank{RANK}").write_text("\n".join(sorted(self.called)))
         if trainer.step == self.nan_at:
             return torch.full_like(loss, float("nan"))
         return None
+
+
+def project_calls(seen: set[str]):
+    """A sys.setprofile function adding to ``seen`` the repository file (relative path) of every
+    Python function called, the tests' and the installed packages' left out."""
+    root = str(Path(__file__).resolve().parents[1]) + "/"
+
+    def profile(frame, event, arg) -> None:
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(root) and "/.venv" not in name and "/tests/" not in name:
+            seen.add(name[len(root):])
+
+    return profile
 
 
 def die_before_latest(step: int) -> None:

@@ -131,9 +131,9 @@ def _offload_on_nccl() -> None:
     cfg = make_cfg(".", ".", data_parallel="fsdp", cpu_offload=True)
     mesh = build_mesh({}, cfg.parallel_order, "cuda")
     torch.manual_seed(0)
-    serial = build_vit(cfg).to(cuda)
+    serial = build_vit(cfg.model).to(cuda)
     torch.manual_seed(0)  # the same weights; one rank's shards are whole tensors
-    model = apply_fsdp(build_vit(cfg), mesh, cfg)
+    model = apply_fsdp(build_vit(cfg.model), mesh, cfg.layout, cfg.amp_mode, cfg.cpu_offload)
     inp, tar = _batch(cfg)
     for m in (serial, model):
         torch.nn.functional.mse_loss(m(inp.to(cuda)), tar.to(cuda)).backward()

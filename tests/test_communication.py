@@ -7,6 +7,7 @@ the course check, tests/test_readme.py.)"""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ def _count_bytes(compression: str) -> None:
         model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 8))
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets
         cfg = make_cfg(".", ".", grad_compression=compression, powersgd_rank=2)
-        state = compress_gradients(ddp, cfg, None)
+        state = compress_gradients(ddp, cfg.layout, cfg.seed, None)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         counted, full = [], sum(p.numel() * 4 for p in model.parameters())
         for step in range(4):
@@ -127,6 +128,27 @@ def test_the_heartbeat_names_the_rank_that_did_not_arrive():
     lonely = Heartbeat(dist.HashStore(), 0, 2, "hb/", period_s=0.01)
     lonely.others = lambda read_timeout_s=5.0: {1: None}  # the store had nothing from rank 1
     assert "rank 1 never reported" in lonely.diagnosis()
+
+
+def test_the_heartbeat_names_a_rank_killed_a_moment_ago_and_its_node(monkeypatch):
+    """A rank killed an instant ago (a lost node: its connections close and the collective fails at
+    once) has a fresh last entry; it is named as stopped because it writes no new one, with the
+    Slurm node it ran on (SLURMD_NODENAME, which is not the host name when several nodes share a
+    machine)."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("SLURMD_NODENAME", "n2")
+    store = dist.HashStore()
+    ranks = [Heartbeat(store, r, 2, "hb/", period_s=0.05).start() for r in range(2)]
+    try:
+        time.sleep(0.1)
+        ranks[1].stop()  # killed: no more entries
+        line = ranks[0].diagnosis()
+        assert "rank 1 stopped responding (no sign of life for " in line, line
+        assert "last seen at step 0 in start-up, node n2 (host " in line, line
+    finally:
+        for r in ranks:
+            r.stop()
 
 
 def test_the_watchdog_watches_only_a_step_after_the_first():
@@ -292,7 +314,7 @@ def test_the_overlap_timeline_reads_a_gpus_times_once_its_work_is_done(monkeypat
     monkeypatch.setattr(default_hooks, "allreduce_hook", lambda group, bucket: allreduce)
     timeline = comm_overlap.Timeline(torch.device("cuda", 0))
     hook = comm_overlap.recording_hook(timeline, None)
-    bucket = type("Bucket", (), {"index": lambda self: 0})()
+    bucket = SimpleNamespace(index=lambda: 0)
 
     timeline.start()  # synchronize, then the first event (1)
     timeline.span("forward", 0.0)  # event 2

@@ -64,6 +64,11 @@ def test_misspelled_key_is_an_error(tmp_path):
     ("a:\n  patch_size: 7\n", r"not divisible by patch_size 7"),
     ("a:\n  num_heads: 5\n", r"embed_dim 384 is not divisible by num_heads 5"),
     ("a:\n  global_batch_size: 0\n", r"'global_batch_size' must be at least 1"),
+    # keys that only another layout reads: ignored without a word before, refused now
+    ("a:\n  dp_shard: 2\n", r"--dp_shard 2 sizes hsdp's sharding groups; this run would ignore it"),
+    ("a:\n  reshard_after_forward: False\n", r"--no-reshard_after_forward keeps FSDP's gathered weights"),
+    ("a:\n  pipeline_schedule: gpipe\n", r"use it with --pipeline_parallel 2 or more"),
+    ("a:\n  num_experts: 4\n  moe_every: 13\n", r"--moe_every 12 or less \(the model has 12 blocks\)"),
 ])
 def test_bad_values(tmp_path, text, message):
     with pytest.raises(ValueError, match=message):

@@ -40,26 +40,32 @@ def tiny(**overrides):
 @pytest.mark.parametrize("overrides", [{}, {"num_experts": 4, "moe_top_k": 2}])
 def test_parameter_shapes_are_the_models(overrides):
     cfg = tiny(**overrides)
-    real = [(n, tuple(p.shape)) for n, p in build_vit(cfg).named_parameters()]
+    real = [(n, tuple(p.shape)) for n, p in build_vit(cfg.model).named_parameters()]
     assert cm.parameter_shapes(cm.Model.from_config(cfg)) == real
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 def test_flops_and_activations_of_the_serial_model(checkpointing):
     """FlopCounterMode (attention by the math kernel, whose matmuls it sees) and the saved tensors
-    of one forward and backward of the real model, batch 2, against the formulas."""
+    of one forward and backward of the real model, batch 2, against the formulas: in fp32, and
+    under bf16 autocast (bf16 matmul inputs, outputs and weight copies; an fp32 residual stream)."""
     cfg = tiny()
-    model = apply_activation_checkpointing(build_vit(cfg), checkpointing)
+    model = apply_activation_checkpointing(build_vit(cfg.model), checkpointing)
     x, y = torch.randn(2, 20, 32, 64), torch.randn(2, 20, 32, 64)
-    meter = ActivationMeter()
     with FlopCounterMode(display=False) as counter, attention.kernel("math"):
-        relative_l2_loss(model(x), y).backward()
-    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):  # the default kernel
         relative_l2_loss(model(x), y).backward()
     lay = cm.Layout(1, batch=2, checkpointing=checkpointing)
     m = cm.Model.from_config(cfg)
     assert cm.flops(m, lay)["total"] == counter.get_total_flops()
-    assert cm.activation_bytes(m, lay)["total"] == meter.peak
+    for dtype in ("float32", "bfloat16"):
+        meter = ActivationMeter()
+        hooks = torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+        with hooks, attention.kernel("default"), autocast:
+            loss = relative_l2_loss(model(x), y)
+        loss.backward()
+        assert cm.activation_bytes(m, lay, dtype=dtype)["total"] == meter.peak, dtype
+    assert cm.activation_bytes(m, lay, dtype="bfloat16")["total"] < cm.activation_bytes(m, lay)["total"]
 
 
 def test_layouts_measured_in_real_runs(data_dir, tmp_path):
@@ -92,7 +98,7 @@ def test_a_mixture_of_experts(data_dir, tmp_path):
     cfg = tiny(num_experts=4, moe_top_k=2)
     x, y = torch.randn(2, 20, 32, 64), torch.randn(2, 20, 32, 64)
     with FlopCounterMode(display=False) as counter, attention.kernel("math"):
-        relative_l2_loss(build_vit(cfg)(x), y).backward()
+        relative_l2_loss(build_vit(cfg.model)(x), y).backward()
     assert cm.flops(cm.Model.from_config(cfg), cm.Layout(1, batch=2))["total"] == counter.get_total_flops()
 
     yaml = write_test_yaml(tmp_path / "ViT.yaml")

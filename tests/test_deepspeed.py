@@ -122,7 +122,7 @@ def test_zero1_and_zero2_log_the_serial_losses_and_checkpoints_cross_between_eng
                                      lr_schedule="onecycle")}
     run_ranks(2, _engines_on_ranks, cfgs, tmp_path)
     onecycle = cfgs["zero3_onecycle"]
-    schedule = make_lr_lambda(onecycle)
+    schedule = make_lr_lambda(onecycle.optim)
     assert json.loads((tmp_path / "onecycle_rates.json").read_text()) == pytest.approx(
         [onecycle.lr * schedule(step) for step in range(onecycle.num_iters)], rel=1e-12)
     for folder in ("zero1", "chain"):

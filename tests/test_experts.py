@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from networks.moe import MoEMLP
+from networks.vit import MLP
 
 DIM, HIDDEN, EXPERTS = 8, 16, 4
 
 
 def make(top_k: int = 1, capacity_factor: float = 0.0) -> MoEMLP:
     torch.manual_seed(0)
-    moe = MoEMLP(DIM, HIDDEN, EXPERTS, top_k, capacity_factor)
+    moe = MoEMLP(DIM, HIDDEN, EXPERTS, top_k, capacity_factor, expert=MLP)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.5)

@@ -11,8 +11,7 @@ import torch
 
 from tests.conftest import TEST_IMG
 from utils import h5_steps
-from utils.batch_memory import BatchMemory
-from utils.data_loader import Batches, ERA5Dataset, get_data_loader
+from utils.data_loader import Batches, BatchMemory, ERA5Dataset, get_data_loader
 from utils.h5_steps import StepReader
 
 

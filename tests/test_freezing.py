@@ -230,8 +230,7 @@ def _frozen_on_ranks(cfg, run_dir_path: Path, out_dir: Path) -> None:
 
     from distributed.mesh import build_mesh
     from scripts.instruments import CollectiveCounter, count_ddp_gradients
-    from training.callbacks import Callback
-    from training.context import RunContext
+    from training.context import Callback, RunContext
     from training.freezing import FreezingStep
     from training.trainer import Trainer
 
@@ -347,7 +346,7 @@ def test_a_pipeline_that_shrinks_logs_the_serial_losses(data_dir, test_yaml, tmp
     assert "step 2: the run continues with pipeline_parallel 2" in log
     assert "(frozen, without autograd: embedding + blocks 0-1) + block 2; stage 1" in log
     assert "step 4: the run continues with pipeline_parallel 1" in log
-    assert "dp 0/2, pp 0/1" in log  # the mesh of the new layout
+    assert "dp 0/2 of [0, 1], pp 0/1" in log  # the mesh of the new layout
     again = run(2, args(test_yaml, data_dir, tmp_path, pipeline_parallel=2, **SHRINK, num_iters=8),
                 timeout=240, **MP)
     ok(again)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import subprocess
@@ -153,7 +152,7 @@ def test_compiled_model_and_loss_match_eager(cfg_factory, tmp_path, caplog):
     torch.testing.assert_close(bf16[1], bf16[0], rtol=0.05, atol=0.05)
     compiled.train_data.set_epoch(0)
     with caplog.at_level("INFO", logger="training.reporting"):
-        compiled.cfg = dataclasses.replace(compiled.cfg, num_iters=1)
+        compiled.cfg = compiled.cfg.replace(num_iters=1)
         compiled.train_epoch(0, 0)
     assert "torch.compile: compiling the model in the first step" in caplog.text
     assert "torch.compile: first step done in" in caplog.text
@@ -283,7 +282,7 @@ def test_benchmark_counts_cpu_attention_flops(cfg_factory):
                                                            for op in CPU_ATTENTION_FLOPS})
     with plain:
         inp, tar = fixed_batches(1, cfg)[0]
-        relative_l2_loss(build_vit(cfg)(inp), tar).backward()
+        relative_l2_loss(build_vit(cfg.model)(inp), tar).backward()
     # per layer and sample: QK^T and AV forward (2 x 2 x heads x N^2 x head_dim), backward
     # 2.5 x that (torch's formula recomputes the scores)
     attention = 3.5 * 2 * 2 * 4 * 32**2 * 8 * cfg.depth

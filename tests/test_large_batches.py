@@ -17,7 +17,7 @@ from utils import signals
 def test_onecycle_rises_then_anneals(cfg_factory):
     cfg = cfg_factory(lr_schedule="onecycle", num_iters=100, onecycle_pct_start=0.3, onecycle_div_factor=25.0,
                       onecycle_final_div_factor=1e4)
-    f = make_lr_lambda(cfg)
+    f = make_lr_lambda(cfg.optim)
     values = [f(step) for step in range(101)]
     assert values[0] == pytest.approx(1 / 25) and values[30] == pytest.approx(1.0)
     assert values[100] == pytest.approx(1 / 25 / 1e4)

@@ -31,7 +31,7 @@ def test_tutorial_model_sizes(name, millions):
     assert n / 1e6 == pytest.approx(millions, abs=0.01)
     if name == "base":
         with torch.device("meta"):  # no memory for the weights
-            assert count_parameters(build_vit(cfg)) == n
+            assert count_parameters(build_vit(cfg.model)) == n
 
 
 def test_unpatchify_inverts_patch_order():

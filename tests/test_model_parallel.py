@@ -7,6 +7,7 @@ failure on any rank fails the test on all of them.
 
 from __future__ import annotations
 
+import re
 import weakref
 
 import pytest
@@ -17,7 +18,18 @@ from torch import nn
 from distributed import mappings as M
 from distributed.clipping import clip_grad_norm
 from distributed.consolidate import full_state, load_full_state, take_shard
-from distributed.mesh import ParallelMesh, build_mesh, check_model, check_sizes, group_layouts, parse_order
+from distributed.mesh import (
+    ParallelMesh,
+    build_mesh,
+    check_model,
+    check_sizes,
+    check_takes_effect,
+    expert_layouts,
+    group_layouts,
+    hsdp_layouts,
+    parse_order,
+    requested_sizes,
+)
 from distributed.parallelize import apply_model_parallel
 from distributed.tags import ParamSpec, wrap_data_parallel
 from networks.vit import ViT
@@ -89,11 +101,44 @@ def test_bad_sizes(world, tp, cp, order, message):
         check_sizes(world, {"tp": tp, "cp": cp}, order)
 
 
+@pytest.mark.parametrize("world, flags, message", [
+    (4, {"tensor_parallel": 4, "data_parallel": "fsdp"}, "--data_parallel fsdp shards over the data-parallel "
+     "ranks, but 4 ranks at tensor_parallel 4 leave 1 data-parallel rank: start 8 ranks or more"),
+    (2, {"pipeline_parallel": 2, "data_parallel": "zero1"}, "--data_parallel zero1 shards over"),
+    (1, {"grad_compression": "powersgd"}, "--grad_compression powersgd compresses the data-parallel"),
+    (4, {"data_parallel": "hsdp"}, "hsdp with one sharding group of all 4 data-parallel ranks is fsdp"),
+    (4, {"data_parallel": "hsdp", "dp_shard": 3}, "--dp_shard 3 does not divide the 4 data-parallel ranks"),
+])
+def test_a_layout_flag_the_ranks_would_switch_off_is_refused(cfg_factory, world, flags, message):
+    """fsdp_active and zero1_active are False with one data-parallel rank, DDP (and its
+    compression hook) is not built: the flag would be ignored. HSDP with one group is FSDP."""
+    cfg = cfg_factory(**flags)
+    sizes = check_sizes(world, requested_sizes(cfg.layout), cfg.parallel_order)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_takes_effect(cfg.layout, cfg.memory, sizes, ranks_per_node=4)
+    more = check_sizes(world * 6, requested_sizes(cfg.layout), cfg.parallel_order)  # more ranks
+    check_takes_effect(cfg.layout, cfg.memory, more, 4)
+
+
+def test_expert_and_hsdp_groups_are_the_codes(cfg_factory):
+    """The rank lists distributed/experts.py and distributed/sharding.py build their groups from."""
+    sizes = check_sizes(16, {"tp": 4, "cp": 1, "pp": 1})
+    assert expert_layouts(16, sizes, "tp-cp-dp-pp", 4)["ep"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14],
+                                                                 [3, 7, 11, 15]]
+    sizes = check_sizes(16, {"tp": 1, "cp": 1, "pp": 1})
+    layouts = expert_layouts(16, sizes, "tp-cp-dp-pp", 4)
+    assert layouts["ep"][1] == [4, 5, 6, 7] and layouts["ep_replicas"][0] == [0, 4, 8, 12]
+    assert hsdp_layouts(8, 4) == {"dp_shard": [[0, 1, 2, 3], [4, 5, 6, 7]],
+                                  "dp_replicate": [[0, 4], [1, 5], [2, 6], [3, 7]]}
+
+
 def test_model_must_split(cfg_factory):
     with pytest.raises(ValueError, match="num_heads must be divisible by tensor_parallel.*num_heads=4"):
-        check_model(cfg_factory(embed_dim=96, num_heads=4, tensor_parallel=3))
+        bad = cfg_factory(embed_dim=96, num_heads=4, tensor_parallel=3)
+        check_model(bad.model, bad.layout)
     with pytest.raises(ValueError, match="context_parallel exceeds the number of tokens"):
-        check_model(cfg_factory(context_parallel=64))  # 16 x 32 grid, 4 x 4 patches: 32 tokens
+        bad = cfg_factory(context_parallel=64)  # 16 x 32 grid, 4 x 4 patches: 32 tokens
+        check_model(bad.model, bad.layout)
 
 
 # ----------------------------------------------------------------------- mappings ---
@@ -356,14 +401,49 @@ def _build_peak(cfg, run_dir) -> tuple[float, int]:
     return trainer.build_peak_MiB, trainer.n_params
 
 
+def _placement_on_two_nodes() -> None:
+    """4 ranks as 2 Slurm nodes of 2 (SLURMD_NODENAME n1, n1, n2, n2): rank 0 logs each rank's node
+    and groups as that rank reports them, and warns when tp groups span nodes (the order dp-tp-cp
+    puts dp fastest: tp groups [0, 2] and [1, 3])."""
+    import logging
+    import os
+
+    os.environ["SLURMD_NODENAME"] = f"n{dist.get_rank() // 2 + 1}"
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("distributed.mesh")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        build_mesh({"tp": 2, "cp": 1}, "tp-cp-dp")
+        build_mesh({"tp": 2, "cp": 1}, "dp-tp-cp")
+    finally:
+        logger.removeHandler(handler)
+        del os.environ["SLURMD_NODENAME"]
+    lines = [(r.levelname, r.getMessage()) for r in records]
+    if dist.get_rank() != 0:
+        assert lines == [], lines
+        return
+    assert ("INFO", "parallel layout rank 2 on node n2: tp 0/2 of [2, 3], cp 0/1, dp 1/2 of [0, 2], "
+                    "pp 0/1 (order tp-cp-dp-pp)") in lines, lines
+    assert ("INFO", "parallel layout rank 2 on node n2: dp 0/2 of [2, 3], tp 1/2 of [0, 2], cp 0/1, "
+                    "pp 0/1 (order dp-tp-cp-pp)") in lines, lines
+    warnings = [message for level, message in lines if level == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "2 tensor-parallel group(s) span nodes (ranks [0, 2] on n1, n2)"), warnings
+
+
 def _parity_then_fsdp_build(layouts: list[tuple[int, ...]], data_dir: str, out_dir: str) -> None:
-    """The layouts against serial, then FSDP on 4 ranks building a model of 1.6 GB: built on the
-    meta device, each rank allocates only its shards (and one whole parameter at a time), so its
-    peak grows by far less than half the model over a tiny model's build."""
+    """Where ranks sit on nodes, the layouts against serial, then FSDP on 4 ranks building a model
+    of 1.6 GB: built on the meta device, each rank allocates only its shards (and one whole
+    parameter at a time), so its peak grows by far less than half the model over a tiny model's
+    build."""
     from pathlib import Path
 
     from tests.conftest import make_cfg
 
+    _placement_on_two_nodes()
     _parity_on_ranks(layouts)
     out = Path(out_dir)
     tiny, _ = _build_peak(make_cfg(data_dir, out, data_parallel="fsdp"), out / "tiny")
@@ -377,7 +457,8 @@ def _parity_then_fsdp_build(layouts: list[tuple[int, ...]], data_dir: str, out_d
 
 @pytest.mark.slow
 def test_four_rank_layouts_match_serial_and_fsdp_builds_in_shards(data_dir, tmp_path):
-    # tp=2 x dp=2, tp=2 x cp=2, cp=2 x dp=2 (cp gradients summed inside DDP's comm hook), and
+    # the placement log and its warning of tp groups across nodes; then tp=2 x dp=2, tp=2 x cp=2,
+    # cp=2 x dp=2 (cp gradients summed inside DDP's comm hook), and
     # with sequence parallelism tp=2 x dp=2 (the hook sums part of a bucket over tp) and
     # tp=2 x cp=2 (tokens split over cp, then over tp; the tag hooks sum over both)
     # and expert parallel: tp=2 x dp=2 with the dp pair splitting the experts, and dp=4 in 2
@@ -412,7 +493,8 @@ def test_sequence_parallel_refusals_are_one_line(cfg_factory, flags, message):
 
 def test_sequence_parallel_needs_a_token_per_rank(cfg_factory):
     with pytest.raises(ValueError, match="sequence_parallel needs a token for every tp rank"):
-        check_model(cfg_factory(sequence_parallel=True, tensor_parallel=4, context_parallel=16))
+        bad = cfg_factory(sequence_parallel=True, tensor_parallel=4, context_parallel=16)
+        check_model(bad.model, bad.layout)
 
 
 def test_config_rejects_a_bad_parallel_order(cfg_factory):

@@ -64,10 +64,10 @@ def test_blocks_split_into_contiguous_stages():
 
 def test_a_stage_keeps_its_parts_under_the_serial_names(cfg_factory):
     cfg = cfg_factory(depth=4)
-    names = [n for n, _ in build_vit(cfg).named_parameters()]
+    names = [n for n, _ in build_vit(cfg.model).named_parameters()]
     kept = []
     for s, blocks in enumerate(split_blocks(4, 3)):
-        stage = cut_stage(build_vit(cfg), blocks, s == 0, s == 2)
+        stage = cut_stage(build_vit(cfg.model), blocks, s == 0, s == 2)
         own = [n for n, _ in stage.named_parameters()]
         assert ("pos_embed" in own) == (s == 0) and ("head.weight" in own) == (s == 2)
         kept += own

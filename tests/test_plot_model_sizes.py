@@ -23,7 +23,7 @@ def test_runs_summarised_and_drawn(cfg_factory, tmp_path, capsys):
     small, large = cfg_factory(embed_dim=16), cfg_factory(embed_dim=32)
     runs = [fake_run(tmp_path / "a", large, "big", 0.1), fake_run(tmp_path / "b", small, "little", 0.3)]
     summary = plot_model_sizes.run_summary(runs[0])
-    assert summary["parameters"] == count_parameters(build_vit(large)) and summary["step"] == 8
+    assert summary["parameters"] == count_parameters(build_vit(large.model)) and summary["step"] == 8
     assert summary["rmse"] == pytest.approx(0.2) and summary["persistence"] == pytest.approx(0.6)
     out = tmp_path / "sizes.png"
     assert plot_model_sizes.main(["--run_dirs", *map(str, runs), "--out", str(out)]) == 0

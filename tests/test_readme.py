@@ -156,6 +156,7 @@ class Runner:
         self.tmp = tmp
         self.data: dict[tuple[int, int], Path] = {}
         self.seconds: list[tuple[float, str]] = []  # each command's run time (shown with -s)
+        self.slurm_conf: str | None = None  # the configuration of the local Slurm a page started
 
     def data_for(self, config: str) -> Path:
         size = load_config(DEFAULT_YAML, config).img_size
@@ -231,7 +232,8 @@ def planned_run_dir(words: list[str]) -> str | None:
     index = next(i for i, w in enumerate(words) if w.endswith(".py"))
     args = train_parser(script).parse_args(words[index + 1:])
     cfg = resolve_config(args)
-    mesh = ParallelMesh(sizes=check_sizes(launched_ranks(words), requested_sizes(cfg), cfg.parallel_order))
+    sizes = check_sizes(launched_ranks(words), requested_sizes(cfg.layout), cfg.parallel_order)
+    mesh = ParallelMesh(sizes=sizes)
     folder = run_dir_for(cfg, args.config, args.run_num or DEFAULT_RUN_NUM, mesh, script == "train_mp.py")
     return folder.relative_to(cfg.exp_path.parent).as_posix() if not Path(cfg.expdir).is_absolute() \
         else folder.as_posix()
@@ -347,12 +349,17 @@ def check_deepspeed_launcher(cmd: Command, runner: Runner) -> None:
 
 
 def check_srun(cmd: Command, runner: Runner) -> None:
-    """`srun python X.py ...` on a GPU node (CUDA Graphs): the script exists and its flags parse."""
+    """`srun python X.py ...` or `bash srun_pm.sh X.py ...` in an allocation on a GPU node: the
+    script exists and a training script's flags parse (tests/test_perlmutter_commands.py checks
+    the rest: layout, memory, container, paths)."""
     _, words = cmd.env_and_words
     index = next(i for i, w in enumerate(words) if w.endswith(".py"))
     script = Path(words[index]).name
-    assert script in TRAIN_SCRIPTS and (REPO / words[index]).is_file(), cmd.text
-    check_train_flags(script, words[index + 1:])
+    assert (REPO / words[index]).is_file(), cmd.text
+    if script in TRAIN_SCRIPTS:
+        check_train_flags(script, words[index + 1:])
+    else:
+        assert config_of(words) in available_configs(), cmd.text
 
 
 def check_sbatch(cmd: Command, runner: Runner) -> None:
@@ -378,6 +385,34 @@ def check_sbatch(cmd: Command, runner: Runner) -> None:
 
 
 SUBMIT_ENV = {"DATADIR", "LOGDIR", "IMAGE", "ENABLE_PROFILING", "PROFILE_OUTPUT", "REQUEUE"}
+
+
+def check_slurm_harness(cmd: Command, runner: Runner) -> None:
+    """`python3 tests/slurm_harness.py start --nodes 2 DIR` (and `stop DIR`): a local Slurm cluster,
+    which needs root, starts daemons and edits /etc/hosts, so it is not started here
+    (tests/test_slurm_nodes.py starts one); the arguments parse with the harness's own parser."""
+    from tests.slurm_harness import SlurmCluster, arg_parser
+
+    _, words = cmd.env_and_words
+    try:
+        args = arg_parser().parse_args(words[2:])
+    except SystemExit as err:
+        raise AssertionError(f"tests/slurm_harness.py rejects {words[2:]}") from err
+    if args.action == "start":
+        runner.slurm_conf = str(SlurmCluster(args.folder).conf)
+
+
+def check_export(cmd: Command, runner: Runner) -> None:
+    """`export SLURM_CONF=...` names the configuration of the cluster the page started just before;
+    `export OMP_NUM_THREADS=N` a number of threads."""
+    _, words = cmd.env_and_words
+    assert len(words) == 2, cmd.text
+    name, _, value = words[1].partition("=")
+    if name == "SLURM_CONF":
+        assert value == runner.slurm_conf, f"{value} is not the slurm.conf of the cluster started before " \
+                                           f"({runner.slurm_conf})"
+    else:
+        assert name == "OMP_NUM_THREADS" and value.isdigit(), f"no rule for {cmd.text}"
 
 
 def check_make(cmd: Command, runner: Runner) -> None:
@@ -422,10 +457,12 @@ def check_pytest(cmd: Command, runner: Runner) -> None:
 
 RULES = [
     (r"^(\.venv/bin/)?python3? -m pytest\b", check_pytest),
+    (r"^python3? tests/slurm_harness\.py\b", check_slurm_harness),
+    (r"^export [A-Z_]+=", check_export),
     (r"^([A-Z_]+=\S+ )*(python3?|\.venv/bin/python|torchrun)\b", check_local_python),
     (r"^([A-Z_]+=\S+ )*sbatch\b", check_sbatch),
     (r"^make\b", check_make),
-    (r"^srun\b", check_srun),
+    (r"^srun\b|^bash srun_pm\.sh ", check_srun),
     (r"^deepspeed\b", check_deepspeed_launcher),
     (r"^\.venv/bin/tensorboard\b|^tensorboard\b", check_tensorboard),
     (r"^source \.venv/bin/activate$", check_activate),
@@ -610,7 +647,7 @@ def test_a_command_that_trains_nothing_fails(tmp_path):
         check_local_python(Command(2, "python train.py --config tiny"), runner)
 
 
-NAMED_IN_FILE = re.compile(r"`(\w+)(?:\.\w+)?` \(`([\w/]+\.py)`")  # "`ShardedSampler` (`utils/sampler.py`)"
+NAMED_IN_FILE = re.compile(r"`(\w+)(?:\.\w+)?` \(`([\w/]+\.py)`")  # "`ShardedSampler` (`utils/era5.py`)"
 FILE_AND_NAME = re.compile(r"`([\w/]+\.py):(\w+)`")  # "`utils/device.py:nvtx_range`"
 
 
@@ -621,7 +658,7 @@ def defines(path: Path, name: str) -> bool:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_files_and_names_on_a_page_exist(page):
     """Every project file a page names exists, and a name it places in a file is defined there
-    (a page once sent readers to utils/data_loader.py for a class in utils/sampler.py)."""
+    (a page once sent readers to utils/data_loader.py for a class then in utils/sampler.py)."""
     text, problems = page.read_text(), []
     for path in set(re.findall(r"`((?:utils|training|distributed|networks|scripts|tests|exercises)/\w+\.py)",
                                text)):
@@ -634,8 +671,15 @@ def test_files_and_names_on_a_page_exist(page):
 
 
 def test_a_name_placed_in_the_wrong_file_is_found():
-    wrong = "`ShardedSampler` (`utils/data_loader.py`) and `utils/device.py:nvtx_range`"
-    assert [(n, p) for n, p in NAMED_IN_FILE.findall(wrong)] == [("ShardedSampler", "utils/data_loader.py")]
-    assert not defines(REPO / "utils" / "data_loader.py", "ShardedSampler")
-    assert defines(REPO / "utils" / "sampler.py", "ShardedSampler")
+    wrong = "`ShardedSampler` (`utils/era5.py`) and `utils/device.py:nvtx_range`"
+    assert [(n, p) for n, p in NAMED_IN_FILE.findall(wrong)] == [("ShardedSampler", "utils/era5.py")]
+    assert not defines(REPO / "utils" / "era5.py", "ShardedSampler")
+    assert defines(REPO / "utils" / "data_loader.py", "ShardedSampler")
     assert FILE_AND_NAME.findall(wrong) == [("utils/device.py", "nvtx_range")]
+
+
+def test_every_test_file_is_described_in_docs_tests_md():
+    """docs/tests.md says what each test file checks: a new file brings its row."""
+    text = (DOCS / "tests.md").read_text()
+    missing = [p.name for p in sorted((REPO / "tests").glob("test_*.py")) if f"`{p.name}`" not in text]
+    assert not missing, f"add a row to docs/tests.md for {missing}"

@@ -26,7 +26,7 @@ from training import run_dir as rundir
 from training.context import RunContext, TrainingError
 from training.launcher import main
 from training.trainer import Trainer
-from utils.year_files import DataError, find_year_files, load_stats
+from utils.era5 import DataError, find_year_files, load_stats
 
 
 @pytest.fixture

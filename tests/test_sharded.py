@@ -326,6 +326,10 @@ def test_torchrun_restarts_a_dead_rank_and_resumes(serial, data_dir, test_yaml, 
     (1, {"data_parallel": "zero1", "noddp": True}, "--noddp switches gradient synchronisation off"),
     (1, {"grad_accum_steps": 3}, "does not split into --grad_accum_steps 3"),
     (2, {"data_parallel": "hsdp", "dp_shard": 3}, "--dp_shard 3 does not divide the 2 data-parallel ranks"),
+    # FSDP with one data-parallel rank would train as plain DDP without a word (fsdp_active)
+    (1, {"data_parallel": "fsdp", "cpu_offload": True}, "--data_parallel fsdp with --cpu_offload shards over "
+                                                        "the data-parallel ranks, but 1 rank leaves 1"),
+    (2, {"data_parallel": "hsdp", "dp_shard": 2}, "hsdp with one sharding group of all 2 data-parallel"),
 ])
 def test_bad_combinations_are_one_line_errors(ranks, flags, message, data_dir, test_yaml, tmp_path):
     valued, switches = flags_to_args(flags)

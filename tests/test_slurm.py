@@ -6,8 +6,6 @@ jobs train the conftest test model on CPU for a few steps; every wait has a time
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import torch
 
 from tests.conftest import REPO, subprocess_env
 from tests.ddp_helpers import metrics, run_dir, train_args, write_test_yaml
-from tests.slurm_harness import SlurmCluster, SlurmUnavailableError, ensure_installed
+from tests.slurm_harness import SlurmCluster, SlurmUnavailableError, local_cluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240), pytest.mark.xdist_group("slurm")]  # one cluster
 
@@ -24,20 +22,12 @@ JOB_TIMEOUT = 120  # seconds; these jobs take 5-20 s here
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def slurm():
     try:
-        ensure_installed()
+        with local_cluster(nodes=1) as cluster:
+            yield cluster
     except SlurmUnavailableError as err:
         pytest.skip(f"no local Slurm: {err}")
-    # not under pytest's 0700 tmp folders: munged wants every parent of its socket traversable
-    base = Path(tempfile.mkdtemp(prefix="slurm-test-", dir="/tmp"))
-    cluster = SlurmCluster(base)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

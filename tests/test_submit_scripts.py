@@ -132,3 +132,27 @@ def test_nccls_flight_recorder_dumps_into_the_logs(tmp_path, with_shifter):
         "TORCH_FR_DUMP_TEMP_FILE=" + prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE=" + prefix,
         "TORCH_NCCL_DUMP_ON_TIMEOUT=1", "TORCH_NCCL_TRACE_BUFFER_SIZE=2000"]
     assert (logs / "flight_recorder" / "123").is_dir()
+
+
+def test_srun_pm_runs_a_script_by_hand_in_the_submit_scripts_container(tmp_path):
+    """Inside salloc, `bash srun_pm.sh SCRIPT ...` starts what the submit scripts start: srun with the
+    container, /data and /logs mounted (a bare `srun python train.py --config short` has neither)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    for name in ("srun", "shifter"):
+        fake(bin_dir, name, log)
+    environ = subprocess_env(PATH=f"{bin_dir}:{os.environ['PATH']}", LOGDIR=str(tmp_path / "logs"),
+                             DATADIR="/my/era5", SLURM_JOB_ID="7", SLURM_CPUS_PER_TASK="32")
+    command = ["bash", str(REPO / "srun_pm.sh"), "scripts/lr_range_test.py", "--config", "short"]
+    result = subprocess.run(command, cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text().splitlines()
+    image = "shifter --image=nersc/pytorch:25.06.01 --module=gpu,nccl-plugin"
+    assert calls[-1].startswith(f"srun --kill-on-bad-exit=1 -u -c 32 --cpu-bind=cores {image} "
+                                f"--volume=/my/era5:/data;{tmp_path / 'logs'}:/logs ")
+    assert calls[-1].endswith(" python scripts/lr_range_test.py --config short")
+    for env, args, message in (({}, ["train.py"], "srun_pm.sh runs inside an allocation"),
+                               ({"SLURM_JOB_ID": "7"}, ["nothere.py"], "usage: bash srun_pm.sh SCRIPT")):
+        result = subprocess.run(["bash", str(REPO / "srun_pm.sh"), *args], cwd=tmp_path, capture_output=True,
+                                text=True, timeout=60, env=subprocess_env(PATH=environ["PATH"], **env))
+        assert result.returncode == 2 and result.stderr.startswith(f"error: {message}"), result.stderr

@@ -82,9 +82,9 @@ def test_memory_per_rank_in_tensorboard(runs):
     assert [e.step for e in logged] == [2, 4, 6]
     with torch.device("meta"):  # the tp=2 shard's size, from the model itself
         mesh = ParallelMesh(sizes={"tp": 2, "cp": 1, "dp": 1}, coords={"tp": 0})
-        shard = apply_model_parallel(build_vit(cfg), mesh)
+        shard = apply_model_parallel(build_vit(cfg.model), mesh)
     want = sum(p.numel() * 4 for p in shard.parameters()) / 2**20
-    whole = sum(p.numel() * 4 for p in build_vit(cfg).parameters()) / 2**20
+    whole = sum(p.numel() * 4 for p in build_vit(cfg.model).parameters()) / 2**20
     assert logged[-1].value == pytest.approx(want) and want < 0.8 * whole  # embeddings, head stay whole
     steps = len(list(shard.parameters())) * 4  # Adam's per-parameter step counters
     assert events.Scalars("Memory/optimizer_MiB")[-1].value == pytest.approx(2 * want + steps / 2**20)
@@ -94,7 +94,7 @@ def test_tp2_checkpoint_is_consolidated(runs):
     cfg, serial_dir, tp2_dir = runs
     serial, tp2 = load(serial_dir / "checkpoint.pt"), load(tp2_dir / "checkpoint.pt")
     assert tp2["step"] == serial["step"] == 6
-    model = build_vit(cfg)
+    model = build_vit(cfg.model)
     model.load_state_dict(tp2["model"])  # strict: every tensor whole, serial names
     # Adam's moments are gathered too, and equal the serial run's (the same fp32 tolerance
     # argument as for the losses; the floor covers moments of gradients that are rounding
@@ -112,9 +112,9 @@ def _outputs_agree_across_layouts(cfg: Config, tp2_ckpt: Path, tp1_ckpt: Path) -
     x = torch.randn(2, cfg.n_in_channels, *cfg.img_size, generator=torch.Generator().manual_seed(3))
     for written_by, path in (("tp=2", tp2_ckpt), ("tp=1", tp1_ckpt)):
         state = load(path)["model"]
-        serial = build_vit(cfg)
+        serial = build_vit(cfg.model)
         serial.load_state_dict(state)
-        par = apply_model_parallel(build_vit(cfg), mesh)
+        par = apply_model_parallel(build_vit(cfg.model), mesh)
         load_full_state(par, state, mesh)
         with torch.no_grad():
             want, got = serial(x), par(x)

@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from training import sharded_checkpoint as sharded
 from training.context import TrainingError
 from utils import checkpoint as ckpt
 from utils import device as dev
@@ -37,6 +36,13 @@ from utils.config import Config
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+
+
+def sharded() -> Any:
+    """training/sharded_checkpoint.py, imported by the runs that meet a sharded checkpoint."""
+    from training import sharded_checkpoint
+
+    return sharded_checkpoint
 
 
 class Stateful(Protocol):
@@ -123,14 +129,16 @@ def find(run_dir: Path) -> Path | None:
     """The checkpoint a run in ``run_dir`` continues from: the single file or the newest sharded
     one, whichever holds the later step (both exist only if a save of the other form was
     killed before it removed the older one)."""
-    found = [p for p in (run_dir / ckpt.CHECKPOINT_NAME, sharded.latest(run_dir))
-             if p is not None and p.exists()]
+    candidates = [run_dir / ckpt.CHECKPOINT_NAME]
+    if (run_dir / ckpt.DCP_DIR).exists():
+        candidates.append(sharded().latest(run_dir))
+    found = [p for p in candidates if p is not None and p.exists()]
     return max(found, key=lambda p: read_summary(p)["step"], default=None)
 
 
 def read_summary(path: Path) -> dict[str, Any]:
     """Step and settings of a checkpoint (its tensors are not read in)."""
-    state = sharded.read_trainer_file(path, mmap=True) if path.is_dir() else ckpt.load(path, mmap=True)
+    state = sharded().read_trainer_file(path, mmap=True) if path.is_dir() else ckpt.load(path, mmap=True)
     return {"step": state["step"], "config": state.get("config", {})}
 
 
@@ -152,7 +160,7 @@ def save(run_dir: Path, parts: Sequence[Stateful], step: int, is_main: bool,
     if shards is not None:
         rest = collect([p for p in parts if p is not shards])
         try:
-            folder = sharded.save(run_dir, step, shards.shards(), rest, is_main)
+            folder = sharded().save(run_dir, step, shards.shards(), rest, is_main)
         except OSError as err:
             raise TrainingError(f"could not write the sharded checkpoint in {run_dir}: "
                                 f"{err.strerror or err}; the previous checkpoint is kept. Free space "
@@ -172,17 +180,18 @@ def save(run_dir: Path, parts: Sequence[Stateful], step: int, is_main: bool,
                             f"checkpoint is kept. Free space (or choose another --expdir) and run the "
                             f"same command again") from None
     log.info("checkpoint at step %d written to %s", step, path)
-    sharded.remove_all(run_dir)  # a sharded one of an earlier layout: now older
+    if (run_dir / ckpt.DCP_DIR).exists():
+        sharded().remove_all(run_dir)  # a sharded one of an earlier layout: now older
 
 
 def load(path: Path, parts: Sequence[Stateful], shards: Sharded | None = None) -> None:
     """Hand each part its state from the checkpoint at ``path`` (either form, into any layout)."""
     if path.is_dir() and shards is not None:  # each rank reads the slices it needs
         shards.load_shards(path)
-        state = sharded.read_trainer_file(path)
+        state = sharded().read_trainer_file(path)
         parts = [p for p in parts if p is not shards]
     else:  # whole tensors: each part keeps what is this rank's
-        state = sharded.read_consolidated(path) if path.is_dir() else ckpt.load(path)
+        state = sharded().read_consolidated(path) if path.is_dir() else ckpt.load(path)
     for part in parts:
         part.load_state_dict(state)
 
@@ -247,4 +256,5 @@ def remove_temp_files(run_dir: Path) -> None:
     for tmp in run_dir.glob(f".{ckpt.CHECKPOINT_NAME}.tmp-*"):
         tmp.unlink(missing_ok=True)
         log.info("removed %s, left by a save that was killed", tmp.name)
-    sharded.remove_stale(run_dir)
+    if (run_dir / ckpt.DCP_DIR).exists():
+        sharded().remove_stale(run_dir)

@@ -1,4 +1,6 @@
-"""What a run knows about where it runs (not configuration): device, ranks, mesh, run folder."""
+"""What a run knows about where it runs (not configuration): device, ranks, mesh, run folder; and
+who listens to it: the callbacks through which scripts that measure a run and tests that inject
+faults hook into a few named moments of training/trainer.py's loop, instead of changing it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 import torch
 
 from distributed.mesh import ParallelMesh
+from utils.config import Config
 
 
 class TrainingError(RuntimeError):
@@ -54,3 +57,36 @@ def local_batch_size(global_batch: int, dp_size: int, override: int | None = Non
             f"ranks; choose a batch that is a multiple of {dp_size} or pass --local_batch_size"
         )
     return global_batch // dp_size
+
+
+def check_micro_batches(cfg: Config, local_batch: int) -> None:
+    """The local batch splits into the micro-batches of gradient accumulation or of a pipeline."""
+    for count, flag in ((cfg.grad_accum_steps, "--grad_accum_steps"),
+                        (cfg.num_microbatches if cfg.pipeline_parallel > 1 else 1, "--num_microbatches")):
+        if local_batch % count:
+            raise ValueError(f"the local batch of {local_batch} samples does not split into {flag} {count} "
+                             f"equal micro-batches; choose a number of micro-batches that divides it")
+
+
+class Callback:
+    """A script's or a test's hook into a run: override the moments you need (each does nothing
+    here). The Trainer calls them in the order the callbacks were given."""
+
+    def model_built(self, trainer: Any) -> None:
+        """The model and optimizer exist (before any step or checkpoint load)."""
+
+    def step_start(self, trainer: Any) -> None:
+        """A training step is about to run on a batch already on the device (``trainer.step``
+        steps are done)."""
+
+    def step_end(self, trainer: Any, loss: torch.Tensor) -> torch.Tensor | None:
+        """The step ran (``trainer.step`` not yet counted up); ``loss`` is the device tensor it
+        returned. Return a tensor to log instead (fault injection), or None."""
+        return None
+
+    def epoch_end(self, trainer: Any, epoch: int) -> None:
+        """An epoch was trained, validated and logged."""
+
+    def fit_end(self, trainer: Any) -> None:
+        """Training is over (checkpoint written); ``trainer.stopped_early`` says whether a stop
+        signal ended it."""

@@ -247,7 +247,7 @@ class DeepSpeedStep(EagerStep):
         """The serial model with the seed's weights, whole on every rank: DeepSpeed partitions it."""
         t = self.trainer
         with torch.device("meta"):
-            serial = build_vit(t.cfg)
+            serial = build_vit(t.cfg.model)
         t.n_params = count_parameters(serial)
         values = serial_values(serial, t.cfg.seed)
         model = apply_activation_checkpointing(serial, t.cfg.activation_checkpointing)

@@ -434,7 +434,7 @@ class FreezingStep(Freezing, EagerStep):
 
         t.model = None
         gc.collect()  # the old reducer (and its autograd hooks) is freed before the new one exists
-        t.model = wrap_data_parallel(t.raw_model, t.ctx.mesh, t.device, t.cfg)
+        t.model = wrap_data_parallel(t.raw_model, t.ctx.mesh, t.device, t.cfg.layout, t.cfg.seed)
 
 
 def step_class(cfg: Config) -> type[EagerStep]:

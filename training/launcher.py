@@ -28,16 +28,64 @@ import torch.distributed as dist
 from distributed import mesh as meshes
 from distributed.env import any_rank, heartbeat, init_distributed, parse_env
 from training import run_dir as rundir
-from training.context import RunContext, local_batch_size
-from training.trainer import Callback, EagerStep, Trainer, TrainingError
+from training.context import Callback, RunContext, local_batch_size
+from training.trainer import EagerStep, Trainer, TrainingError
 from utils import device as dev
 from utils import signals
-from utils.config import DEFAULT_YAML, REPO_ROOT, Config, load_config, with_overrides
-from utils.logging_utils import setup_logging
+from utils.config import DEFAULT_YAML, FIELDS, GROUPS, REPO_ROOT, Config, load_config, with_overrides
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RUN_NUM = "00"
+
+
+# ------------------------------------------------------------------------ logs ---
+# Logging set-up: rank 0 logs INFO to the console and out.log; other ranks WARNING.
+#
+# Until the run's log file exists (it is created only once the run is sure to start, so a
+# run that fails before training leaves nothing on disk), rank 0's records are kept in
+# memory and written to the file first when it is opened.
+FORMAT = "%(asctime)s %(levelname)s %(message)s"
+BUFFER_LIMIT = 10_000  # records kept before the log file exists (a start-up produces tens)
+
+
+class _StartupBuffer(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) < BUFFER_LIMIT:
+            self.records.append(record)
+
+
+def setup_logging(rank: int = 0, log_file: Path | None = None) -> None:
+    """Console logging; with ``log_file`` (rank 0) also the file, starting with what was logged
+    since the last call without one."""
+    root = logging.getLogger()
+    buffered = [r for h in root.handlers if isinstance(h, _StartupBuffer) for r in h.records]
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    fmt = logging.Formatter(FORMAT if rank == 0 else f"[rank {rank}] {FORMAT}")
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(fmt)
+    root.addHandler(console)
+    if rank != 0:
+        return
+    if log_file is None:
+        root.addHandler(_StartupBuffer())
+        return
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    file_handler = logging.FileHandler(log_file)
+    file_handler.setFormatter(fmt)
+    for record in buffered:
+        file_handler.handle(record)
+    root.addHandler(file_handler)
+
+
+# ----------------------------------------------------------------------- flags ---
 
 
 def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
@@ -52,20 +100,24 @@ def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
     return hint, {}
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config key, in argument groups named as in Config."""
-    groups: dict[str, Any] = {}  # argument groups by name
-    hints = typing.get_type_hints(Config)
-    for f in dataclasses.fields(Config):
-        name = f.metadata.get("group", "other")
-        group = groups.setdefault(name, parser.add_argument_group(name))
-        ftype, extra = _flag_type(hints[f.name])
-        if ftype is not None:
-            extra["type"] = ftype
-        if "choices" in f.metadata:
-            extra["choices"] = f.metadata["choices"]
-        group.add_argument(f"--{f.name}", *f.metadata.get("aliases", ()), dest=f.name, default=None,
-                           help=f.metadata.get("help"), **extra)
+def add_config_flags(parser: argparse.ArgumentParser, keys: tuple[str, ...] | None = None) -> None:
+    """One flag per config key (or per key of ``keys``: a script that takes some of train.py's
+    flags, such as the cost model's layout), in argument groups named after the configuration's
+    groups. A flag left out is None: the YAML value stays."""
+    for group in GROUPS.values():
+        fields = [f for f in dataclasses.fields(group) if keys is None or f.name in keys]
+        if not fields:
+            continue
+        section = parser.add_argument_group(group.title, (group.__doc__ or "").split("\n\n")[0])
+        hints = typing.get_type_hints(group)
+        for f in fields:
+            ftype, extra = _flag_type(hints[f.name])
+            if ftype is not None:
+                extra["type"] = ftype
+            if "choices" in f.metadata:
+                extra["choices"] = f.metadata["choices"]
+            section.add_argument(f"--{f.name}", *f.metadata.get("aliases", ()), dest=f.name, default=None,
+                                 help=f.metadata.get("help"), **extra)
 
 
 def arg_parser(description: str = "") -> argparse.ArgumentParser:
@@ -84,7 +136,7 @@ def arg_parser(description: str = "") -> argparse.ArgumentParser:
 
 def resolve_config(args: argparse.Namespace) -> Config:
     cfg = load_config(args.yaml_config, args.config)
-    return with_overrides(cfg, **{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+    return with_overrides(cfg, **{name: getattr(args, name) for name in FIELDS if hasattr(args, name)})
 
 
 def run_dir_for(cfg: Config, config_name: str, run_num: str, mesh: meshes.ParallelMesh,
@@ -108,7 +160,7 @@ def write_resolved_config(cfg: Config, run_dir: Path, name: str) -> None:
 
 
 def _check_lesson(cfg: Config, config_name: str, model_parallel: bool) -> None:
-    split = meshes.model_parallel_sizes(cfg)
+    split = meshes.model_parallel_sizes(cfg.layout)
     if split and not model_parallel:
         sizes = ", ".join(f"{meshes.DIMENSIONS[n]}={s}" for n, s in split.items())
         raise ValueError(f"config {config_name!r} sets {sizes}: model parallel runs use train_mp.py")
@@ -143,15 +195,30 @@ def precision_warning(cfg: Config, device: torch.device) -> str | None:
             f"--amp_mode none trains in fp32")
 
 
-def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunContext, int]:
+def check_layout(cfg: Config, config_name: str, model_parallel: bool, world_size: int,
+                 ranks_per_node: int, step: type[EagerStep] = EagerStep) -> tuple[dict[str, int], int]:
+    """Everything a run checks of its flags against its ranks before it starts a process group
+    (a pure function: tests/test_perlmutter_commands.py runs it on the pages' Slurm commands),
+    the step variant's own refusals included (``step``: the script's). Returns every dimension's
+    size (dp included) and the local batch; ValueError otherwise."""
+    _check_lesson(cfg, config_name, model_parallel)
+    full = meshes.check_sizes(world_size, meshes.requested_sizes(cfg.layout), cfg.parallel_order)
+    meshes.check_expert_parallel(full[meshes.DATA], cfg.expert_parallel)
+    meshes.check_model(cfg.model, cfg.layout)
+    meshes.check_takes_effect(cfg.layout, cfg.memory, full, ranks_per_node)
+    local_batch = local_batch_size(cfg.global_batch_size, full[meshes.DATA], cfg.local_batch_size)
+    step_for(cfg, step).check(cfg, None, local_batch)
+    return full, local_batch
+
+
+def set_up(args: argparse.Namespace, model_parallel: bool,
+           step: type[EagerStep] = EagerStep) -> tuple[Config, RunContext, int]:
     """Config, process group, mesh and run directory; raises ValueError for user mistakes."""
     env = parse_env()
     cfg = resolve_config(args)
-    _check_lesson(cfg, args.config, model_parallel)
-    sizes = meshes.requested_sizes(cfg)
-    full = meshes.check_sizes(env.world_size, sizes, cfg.parallel_order)
-    meshes.check_expert_parallel(full[meshes.DATA], cfg.expert_parallel)
-    meshes.check_model(cfg)
+    sizes = meshes.requested_sizes(cfg.layout)
+    _, local_batch = check_layout(cfg, args.config, model_parallel, env.world_size, env.local_world_size,
+                                  step)
     dev.set_cpu_threads(env.local_world_size)
     device = dev.pick_device(env.local_rank, env.local_world_size, share_gpus=cfg.dist_backend == "gloo")
     check_backend(cfg, device)
@@ -160,7 +227,6 @@ def set_up(args: argparse.Namespace, model_parallel: bool) -> tuple[Config, RunC
     run_dir = run_dir_for(cfg, args.config, args.run_num or DEFAULT_RUN_NUM, mesh, model_parallel)
     ctx = RunContext(device=device, run_dir=run_dir, rank=env.rank, world_size=env.world_size,
                      local_rank=env.local_rank, mesh=mesh)
-    local_batch = local_batch_size(cfg.global_batch_size, ctx.dp_size, cfg.local_batch_size)
     return cfg, ctx, local_batch
 
 
@@ -206,7 +272,7 @@ def main(step: type[EagerStep] = EagerStep, argv: list[str] | None = None, descr
     try:
         if args.run_num is not None:
             rundir.check_run_num(args.run_num)
-        cfg, ctx, local_batch = set_up(args, model_parallel)
+        cfg, ctx, local_batch = set_up(args, model_parallel, step)
         rundir.check_can_create(ctx.run_dir)
         if args.run_num is None:  # a learner who named no run: never refused for other settings
             free = rundir.free_run_dir(ctx.run_dir, cfg)
@@ -299,7 +365,7 @@ def in_next_layout(trainer: Trainer, script_step: type[EagerStep]) -> Trainer:
     log.info("step %d: the run continues with %s, from a checkpoint", trainer.step,
              ", ".join(f"{k} {v}" for k, v in trainer.next_layout.items()))
     cfg = with_overrides(trainer.cfg, **trainer.next_layout)
-    mesh = meshes.build_mesh(meshes.requested_sizes(cfg), cfg.parallel_order, trainer.device.type)
+    mesh = meshes.build_mesh(meshes.requested_sizes(cfg.layout), cfg.parallel_order, trainer.device.type)
     ctx = dataclasses.replace(trainer.ctx, mesh=mesh)
     local_batch = local_batch_size(cfg.global_batch_size, ctx.dp_size, cfg.local_batch_size)
     return Trainer(cfg, ctx, local_batch, step=step_for(cfg, script_step), callbacks=trainer.callbacks)

@@ -22,11 +22,9 @@ import torch
 from distributed import consolidate, pipeline
 from distributed.parallelize import parallelize, serial_values
 from networks.vit import build_vit, count_parameters
-from training.context import RunContext
 from training.state import ModelState
 from training.trainer import EagerStep
 from utils import device as dev
-from utils.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -81,24 +79,20 @@ class PipelineState(ModelState):
 
 class PipelineStep(EagerStep):
     state_class = PipelineState
-    @classmethod
-    def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
-        super().check(cfg, ctx, local_batch)
-        if local_batch % cfg.num_microbatches:
-            raise ValueError(f"the local batch of {local_batch} samples does not split into "
-                             f"--num_microbatches {cfg.num_microbatches} equal micro-batches; choose "
-                             f"a number of micro-batches that divides it")
-
     def build_model(self) -> pipeline.Pipeline:
         t = self.trainer
         with torch.device("meta"):  # as EagerStep.build_parallel_model: each stage allocates only itself
-            serial = build_vit(t.cfg)
+            serial = build_vit(t.cfg.model)
         t.n_params = count_parameters(serial)
         self.serial_names = [name for name, _ in serial.named_parameters()]
         values = serial_values(serial, t.cfg.seed)
-        model = pipeline.build(serial, t.ctx.mesh, t.cfg, t.device,
-                               lambda stage: parallelize(stage, t.ctx.mesh, t.cfg, t.device, values),
-                               self.micro_batch_loss, **self.stage_layout())
+        cfg, mesh = t.cfg, t.ctx.mesh
+
+        def parallel_stage(stage: torch.nn.Module) -> torch.nn.Module:
+            return parallelize(stage, mesh, t.device, cfg.layout, cfg.memory, cfg.optim, cfg.seed, values)
+
+        model = pipeline.build(serial, mesh, cfg.layout, t.device, parallel_stage, self.micro_batch_loss,
+                               **self.stage_layout())
         log.info("%s; this rank holds stages %s: %d of the model's %d parameters",
                  t.ctx.mesh.describe(), model.stage_ids, sum(p.numel() for p in model.parameters()),
                  t.n_params)

@@ -33,7 +33,7 @@ def unit_parameters(cfg: Config) -> tuple[int, int, int]:
     """Parameters of the embedding (patch and position), of one block, of the head (with the
     final norm), counted on a model with shapes only."""
     with torch.device("meta"):
-        vit = build_vit(cfg)
+        vit = build_vit(cfg.model)
     count = lambda module: sum(p.numel() for p in module.parameters())
     return (count(vit.patch_embed) + vit.pos_embed.numel(), count(vit.blocks["0"]),
             count(vit.norm) + count(vit.head))
@@ -74,14 +74,15 @@ class FreezingPipelineStep(Freezing, PipelineStep):
     weights_class = PipelineState
 
     @classmethod
-    def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
+    def check(cls, cfg: Config, ctx: RunContext | None, local_batch: int) -> None:
         """Every layout the run may shrink to must take the batch: the global batch over the
         data-parallel ranks, each one's batch over the micro-batches."""
         super().check(cfg, ctx, local_batch)
         pp = cfg.pipeline_parallel
+        ranks = pp * cfg.global_batch_size // local_batch  # stages x data-parallel ranks (no tp, cp)
         while cfg.freeze_repipeline and pp > 1:
             pp //= 2
-            dp = ctx.world_size // pp
+            dp = ranks // pp
             if cfg.global_batch_size % dp or (pp > 1 and cfg.global_batch_size // dp % cfg.num_microbatches):
                 raise ValueError(f"as blocks freeze the pipeline may shrink to {pp} stage(s) on {dp} "
                                  f"data-parallel ranks, where global batch {cfg.global_batch_size} does "

@@ -6,15 +6,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from utils.config import Config
+from utils.config_groups import OptimizerConfig
 
 
-def make_lr_lambda(cfg: Config) -> Callable[[int], float]:
+def make_lr_lambda(cfg: OptimizerConfig) -> Callable[[int], float]:
     """The learning rate of each step as a multiple of ``lr``: linear warmup over ``warmup`` steps,
     then cosine decay to 0 at ``num_iters`` (or constant); or one cycle (Smith's one-cycle policy,
     with cosine ramps as torch's OneCycleLR): up from lr / div over the first pct_start of the
     steps, then down to lr / div / final_div at ``num_iters``. A pure function of the step, so a
-    resumed run continues the schedule exactly."""
+    resumed run continues the schedule exactly. ``cfg``: the configuration's optimizer group."""
     if cfg.lr_schedule == "onecycle":
         return onecycle_factor(cfg.num_iters, cfg.onecycle_pct_start, cfg.onecycle_div_factor,
                                cfg.onecycle_final_div_factor)

@@ -31,7 +31,7 @@ from utils import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
 
-DCP_DIR = "checkpoint_dcp"
+DCP_DIR = ckpt.DCP_DIR
 LATEST = "LATEST"
 TRAINER_FILE = "trainer.pt"
 

@@ -38,8 +38,7 @@ from distributed.env import all_reduce_max, all_reduce_sum, heartbeat
 from distributed.stop import StopAgreement
 from networks.vit import build_vit, count_parameters
 from training import checkpointing, reporting, validation
-from training.callbacks import Callback
-from training.context import RunContext, TrainingError
+from training.context import Callback, RunContext, TrainingError, check_micro_batches
 from training.schedule import make_lr_lambda
 from training.state import LoopState, ModelState
 from utils import attention
@@ -48,7 +47,6 @@ from utils import device as dev
 from utils.config import Config
 from utils.data_loader import Batches, get_data_loader
 from utils.metrics import latitude_weights, relative_l2_loss
-from utils.profiling import MemoryRecord, ProfilingWindow
 from utils.signals import received
 
 if TYPE_CHECKING:  # imported by the rank that writes (open_writer): 0.15 s of every other rank's start
@@ -97,10 +95,7 @@ class EagerStep:
     @classmethod
     def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
         """Refuse, in one line (ValueError), a configuration this step cannot run."""
-        if local_batch % cfg.grad_accum_steps:
-            raise ValueError(f"the local batch of {local_batch} samples does not split into "
-                             f"--grad_accum_steps {cfg.grad_accum_steps} equal micro-batches; choose a "
-                             f"number of micro-batches that divides it")
+        check_micro_batches(cfg, local_batch)  # accumulation's (and a pipeline's) micro-batches
 
     # ------------------------------------------------------------------ building ---
     def build_model(self) -> nn.Module:
@@ -109,7 +104,7 @@ class EagerStep:
         if needs_parallelize(t.cfg, t.ctx):
             return self.build_parallel_model()
         with torch.device("meta"):  # shapes only: no memory, no random numbers drawn
-            model = build_vit(t.cfg)
+            model = build_vit(t.cfg.model)
         t.n_params = count_parameters(model)
         model = model.to_empty(device=t.device)  # memory on the device, not yet initialised
         model.reset_parameters(torch.Generator().manual_seed(t.cfg.seed))
@@ -122,9 +117,10 @@ class EagerStep:
 
         t = self.trainer
         with torch.device("meta"):
-            serial = build_vit(t.cfg)
+            serial = build_vit(t.cfg.model)
         t.n_params = count_parameters(serial)
-        model = parallelize(serial, t.ctx.mesh, t.cfg, t.device, serial_values(serial, t.cfg.seed))
+        model = parallelize(serial, t.ctx.mesh, t.device, t.cfg.layout, t.cfg.memory, t.cfg.optim, t.cfg.seed,
+                            serial_values(serial, t.cfg.seed))
         if t.ctx.mesh.model_parallel:
             log.info("%s; this rank holds %d of the model's %d parameters", t.ctx.mesh.describe(),
                      count_parameters(unwrap(model)), t.n_params)
@@ -137,7 +133,7 @@ class EagerStep:
             return optimizer_class(t.model.parameters(), **options)
         from distributed import sharding  # ZeRO-1's sharded state, LAMB's norms over the ranks' parts
 
-        return sharding.build_optimizer(t.model, optimizer_class, options, t.cfg, t.ctx.mesh)
+        return sharding.build_optimizer(t.model, optimizer_class, options, t.cfg.layout, t.ctx.mesh)
 
     # --------------------------------------------------------------------- steps ---
     def compute(self, cache_enabled: bool = True) -> contextlib.ExitStack:
@@ -146,7 +142,8 @@ class EagerStep:
         t = self.trainer
         region = contextlib.ExitStack()
         region.enter_context(dev.autocast(t.device, t.amp_mode, cache_enabled=cache_enabled))
-        region.enter_context(attention.kernel(t.attention_kernel))
+        if t.attention_kernel != "default":  # a kernel chosen instead of torch's own pick (part 2)
+            region.enter_context(attention.kernel(t.attention_kernel))
         return region
 
     def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
@@ -163,7 +160,7 @@ class EagerStep:
         each loss is divided by N (the mean over the whole batch, as one big batch would give)
         and only the last micro-batch's backward reduces gradients over the ranks."""
         t = self.trainer
-        n = t.cfg.grad_accum_steps
+        n = t.cfg.memory.grad_accum_steps
         total = torch.zeros((), device=t.device)
         for i, (x, y) in enumerate(zip(inp.chunk(n), tar.chunk(n))):
             with self.gradient_sync(enabled=i == n - 1):
@@ -191,7 +188,7 @@ class EagerStep:
         t = self.trainer
         t.mark("optimizer step")
         with dev.nvtx_range("optimizer"):
-            if t.cfg.grad_clip_norm:
+            if t.cfg.optim.grad_clip_norm:
                 t.clip_gradients()
             if t.scaler:
                 t.scaler.step(t.optimizer)
@@ -282,12 +279,10 @@ class Trainer:
         self.moe_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.optimizer = self.variant.build_optimizer()
         self.weights = self.variant.state_class(self)  # the model and optimizer in a checkpoint
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg.optim))
         self.scaler = dev.make_grad_scaler(self.device, cfg.amp_mode)
         self.lat_weights = latitude_weights(cfg.img_size[0], self.device)
-        self.profiling = ProfilingWindow(cfg, self.device, ctx.run_dir, ctx.rank,
-                                         self.train_data.batches_per_epoch)
-        self.memory_record = MemoryRecord(cfg, self.device, ctx.run_dir, ctx.rank, self.held_bytes)
+        self.watches = self.build_watches()  # profilers and memory record, where the run asks
         self.step = 0  # optimizer steps done
         self.epoch_loss = torch.zeros((), device=self.device)  # running sum in this epoch
         self.epoch_steps = 0
@@ -326,6 +321,24 @@ class Trainer:
             shard_id=self.ctx.dp_rank, pin_memory=pin)
         return Batches(loader, sampler, pin_memory=pin)
 
+    def build_watches(self) -> list[Any]:
+        """The profiling window (part 2) and the memory record (part 6), only where the run asks
+        for them (utils/profiling.py)."""
+        if self.cfg.profile_epoch is None and not self.cfg.memory_snapshot:
+            return []
+        from utils.profiling import MemoryRecord, ProfilingWindow
+
+        return [ProfilingWindow(self.cfg, self.device, self.ctx.run_dir, self.ctx.rank,
+                                self.train_data.batches_per_epoch),
+                MemoryRecord(self.cfg, self.device, self.ctx.run_dir, self.ctx.rank, self.held_bytes)]
+
+    def watched(self, epoch: int, batch: int) -> contextlib.AbstractContextManager:
+        """One step inside the watches (nothing, without them)."""
+        around = contextlib.ExitStack()
+        for watch in self.watches:
+            around.enter_context(watch.step(epoch, batch, self.step))
+        return around
+
     def choose_attention_kernel(self) -> str:
         """The attention kernel for this run's device and precision (utils/attention.py)."""
         _, kv_len = attention.call_shape(self.cfg, self.local_batch)
@@ -344,7 +357,7 @@ class Trainer:
         """The mixture of experts' load-balancing loss of the last forward, weighted (0 without experts)."""
         if not self.moe_layers:
             return 0.0
-        return self.cfg.moe_aux_weight * sum(m.aux_loss for m in self.moe_layers)
+        return self.cfg.model.moe_aux_weight * sum(m.aux_loss for m in self.moe_layers)
 
     def record_experts(self) -> None:
         """What each expert got in the step's (last) micro-batch, for the logs: shares (host) and
@@ -361,8 +374,8 @@ class Trainer:
 
         if self.scaler:
             self.scaler.unscale_(self.optimizer)  # scaler.step then knows not to unscale again
-        self.grad_norms.append(clipping.clip_grad_norm(list(self.model.parameters()), self.cfg.grad_clip_norm,
-                                                       self.ctx.mesh))
+        limit = self.cfg.optim.grad_clip_norm
+        self.grad_norms.append(clipping.clip_grad_norm(list(self.model.parameters()), limit, self.ctx.mesh))
 
     def to_device(self, inp: torch.Tensor, tar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.variant.to_device(inp, tar)
@@ -373,11 +386,11 @@ class Trainer:
         self.train_data.set_epoch(epoch, start_batch)
         done = 0
         for batch in self.train_data:  # (input, target): (B, C, H, W) each
-            self.next_layout = self.variant.next_layout()  # another: a checkpoint, the launcher moves on
+            # a step that needs another layout: checkpoint here, the launcher goes on in that one
+            self.next_layout = self.variant.next_layout() if self.step < self.cfg.num_iters else None
             if self.step >= self.cfg.num_iters or self.next_layout is not None:
                 break
-            with self.profiling.step(epoch, start_batch + done, self.step), \
-                    self.memory_record.step(self.step), dev.nvtx_range(f"step {self.step}"):
+            with self.watched(epoch, start_batch + done), dev.nvtx_range(f"step {self.step}"):
                 with dev.nvtx_range(f"data copy in {self.step}"):
                     inp, tar = self.to_device(*batch)
                 with reporting.compile_notice(self.device, self.cfg.enable_jit and
@@ -555,6 +568,7 @@ class Trainer:
             self.save_checkpoint()
         if self.writer is not None:
             self.writer.close()
-        for callback in self.callbacks:
-            callback.fit_end(self)
+        if self.next_layout is None:  # (else the run goes on, in the launcher's next Trainer)
+            for callback in self.callbacks:
+                callback.fit_end(self)
         return val

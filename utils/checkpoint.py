@@ -17,6 +17,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "checkpoint.pt"
+DCP_DIR = "checkpoint_dcp"  # sharded checkpoints (training/sharded_checkpoint.py) live here
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:

@@ -12,220 +12,85 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 
+from utils.config_groups import (  # noqa: F401 (the choices are read from here too)
+    ADAM_BETAS,
+    AMP_MODES,
+    ATTENTION_KERNELS,
+    DATA_LOADERS,
+    DATA_PARALLEL,
+    ENGINES,
+    FREEZE_SCHEDULES,
+    GRAD_COMPRESSIONS,
+    GROUPS,
+    INTERLEAVED,
+    KEY_GROUP,
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    PIPELINE_SCHEDULES,
+    DataConfig,
+    FreezingConfig,
+    MemoryConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    ProfilingConfig,
+    RunConfig,
+)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_YAML = REPO_ROOT / "config" / "ViT.yaml"
 
-AMP_MODES = ("none", "fp16", "bf16")
-DATA_LOADERS = ("pytorch", "dali")
-LR_SCHEDULES = ("cosine", "constant", "onecycle")
-OPTIMIZERS = ("Adam", "AdamW", "LAMB", "SGD")
-DATA_PARALLEL = ("ddp", "zero1", "fsdp", "hsdp")
-GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
-ENGINES = ("native", "deepspeed")  # deepspeed: training/deepspeed_engine.py
-ATTENTION_KERNELS = ("auto", "default", "flash", "efficient", "cudnn", "math")  # utils/attention.py
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-FREEZE_SCHEDULES = ("none", "formula", "steps", "gradnorm")  # training/freezing.py
-ADAM_BETAS = (0.9, 0.95)  # beta2 0.95, as the tutorial: steadier with large batches
-
-
-def key(default: Any, help: str, group: str, **flag: Any) -> Any:
-    """A config key: its default, its help text (shown by --help) and the flag group it
-    appears in. ``flag`` may add ``aliases`` (other flag names) or ``choices``."""
-    return dataclasses.field(default=default, metadata={"help": help, "group": group, **flag})
-
-
-@dataclass(frozen=True)
 class Config:
-    """One training configuration. Field names are the YAML keys and the flags' names."""
+    """One training configuration: its groups (utils/config_groups.py: ``cfg.model``, ``cfg.data``,
+    ``cfg.optim``, ``cfg.layout``, ``cfg.memory``, ``cfg.run``, ``cfg.profiling``, ``cfg.freeze``),
+    each validated as it is built, then the checks that span groups (``check_across``). Every key
+    also reads flat (``cfg.lr`` is ``cfg.optim.lr``): flags and YAML keys are flat. Frozen:
+    ``replace`` returns a new, validated Config."""
 
-    # model
-    img_size: tuple[int, int] = key((360, 720), "grid height and width (the data is cropped to it)", "model")
-    patch_size: int = key(8, "side of the square patches that become tokens", "model")
-    embed_dim: int = key(384, "token width", "model")
-    depth: int = key(12, "transformer blocks", "model")
-    num_heads: int = key(8, "attention heads per block", "model")
-    mlp_ratio: float = key(4.0, "MLP hidden width / embed_dim", "model")
-    dropout: float = key(0.0, "dropout probability", "model")
-    num_experts: int = key(0, "mixture of experts: expert MLPs in each MoE block (0: every block keeps "
-                              "its dense MLP)", "model")
-    moe_top_k: int = key(1, "experts each token is sent to (1: Switch, 2: GShard)", "model")
-    moe_every: int = key(2, "every moe_every-th block has a mixture of experts", "model")
-    moe_capacity_factor: float = key(0.0, "tokens an expert takes from a sample, as a multiple of an "
-                                          "even share (0: no limit, nothing dropped)", "model")
-    moe_aux_weight: float = key(0.01, "weight of the load-balancing loss added to the training loss",
-                                "model")
-    n_in_channels: int = key(20, "input variables (ERA5 channels)", "model")
-    n_out_channels: int = key(20, "predicted variables (the first n of the input)", "model")
-    # data
-    data_dir: str = key("/data", "ERA5 folder with train/, valid/, stats/", "data")
-    dt: int = key(1, "predict fields[t + dt]; dt in 6-hour steps", "data")
-    limit_nsamples: int | None = key(None, "use only the first N training samples", "data")
-    limit_nsamples_val: int | None = key(None, "use only the first N validation samples", "data")
-    num_data_workers: int = key(0, "DataLoader workers (0 = load in the main process)", "data")
-    data_loader_config: str = key("pytorch", "data loader", "data", choices=DATA_LOADERS)
-    dali_start_method: str = key("auto", "how DALI starts its worker processes: auto (spawn on a GPU, "
-                                 "where forking after CUDA starts is unsafe; fork on a CPU), fork or "
-                                 "spawn", "data", choices=("auto", "fork", "spawn"))
-    # optimisation
-    num_iters: int = key(30000, "optimizer steps to train", "optimisation")
-    global_batch_size: int = key(16, "samples per optimizer step over all data-parallel ranks",
-                                 "optimisation")
-    local_batch_size: int | None = key(None, "per-rank batch (default: global_batch_size / "
-                                             "data-parallel ranks)", "optimisation")
-    lr: float = key(5e-4, "peak learning rate", "optimisation")
-    lr_schedule: str = key("cosine", "learning-rate schedule after warm-up (onecycle: its own warm-up, "
-                                     "from lr / onecycle_div_factor up to lr, then down)", "optimisation",
-                           choices=LR_SCHEDULES)
-    warmup: int = key(0, "steps of linear learning-rate warm-up", "optimisation")
-    onecycle_pct_start: float = key(0.3, "onecycle: fraction of the steps spent rising to lr", "optimisation")
-    onecycle_div_factor: float = key(25.0, "onecycle: the first learning rate is lr / this", "optimisation")
-    onecycle_final_div_factor: float = key(1e4, "onecycle: the last learning rate is the first / this",
-                                           "optimisation")
-    optimizer_type: str = key("Adam", "optimizer: Adam, AdamW (decoupled weight decay), LAMB (Adam with "
-                                      "a trust ratio per tensor, for large batches) or SGD (with momentum)",
-                              "optimisation", choices=OPTIMIZERS, aliases=("--optimizer",))
-    adam_betas: tuple[float, float] = key(ADAM_BETAS, "Adam's beta1 and beta2 (AdamW and LAMB too)",
-                                          "optimisation")
-    weight_decay: float = key(0.0, "AdamW and LAMB: decoupled weight decay; SGD: L2 penalty", "optimisation")
-    momentum: float = key(0.9, "SGD: momentum", "optimisation")
-    grad_clip_norm: float = key(0.0, "clip the global norm of the whole model's gradient to this "
-                                     "(0 = off); the norm before clipping is logged every step",
-                                "optimisation")
-    amp_mode: str = key("none", "mixed precision", "optimisation", choices=AMP_MODES)
-    attention_kernel: str = key("auto", "scaled-dot-product-attention kernel: auto (torch's pick, but "
-                                "math on a CPU in fp16, and in bf16 below 160 tokens), default "
-                                "(torch's pick), flash, efficient, cudnn or math", "optimisation",
-                                choices=ATTENTION_KERNELS)
-    enable_fused: bool = key(False, "fused Adam (--no-enable_fused to switch off)", "optimisation")
-    enable_jit: bool = key(False, "torch.compile the model and loss (--no-enable_jit to switch off)",
-                           "optimisation")
-    # parallelism: model-parallel sizes; the data-parallel size is what the ranks leave
-    tensor_parallel: int = key(1, "ranks that split each layer (heads, MLP features); "
-                                  "--row_parallel_size is the SC23 name", "parallelism",
-                               aliases=("--row_parallel_size",))
-    context_parallel: int = key(1, "ranks that split the sequence of tokens", "parallelism")
-    expert_parallel: int = key(1, "data-parallel ranks that split the experts of each mixture of "
-                                  "experts (tokens reach their experts by all-to-all)", "parallelism")
-    sequence_parallel: bool = key(False, "with tensor_parallel: the activations between the tensor-"
-                                         "parallel layers (norms, residuals, dropout) split along the "
-                                         "tokens over the tp ranks; all-gather and reduce-scatter "
-                                         "replace the all-reduce", "parallelism")
-    pipeline_parallel: int = key(1, "pipeline stages: each rank holds a contiguous part of the "
-                                    "transformer blocks and passes activations on", "parallelism")
-    pipeline_schedule: str = key("1f1b", "order of the micro-batches' forward and backward passes on "
-                                 "each stage", "parallelism", choices=PIPELINE_SCHEDULES)
-    num_microbatches: int = key(4, "pipeline micro-batches the local batch is split into", "parallelism")
-    stages_per_rank: int = key(2, "interleaved_1f1b and zero_bubble: pipeline stages (model chunks) "
-                                  "on each rank", "parallelism")
-    parallel_order: str = key("tp-cp-dp", "rank layout, fastest-varying dimension first (pp, when "
-                                          "not named, varies slowest)", "parallelism")
-    # memory
-    activation_checkpointing: str = key("none", "recompute activations in backward instead of storing "
-                                        "them: none, full (every block), selective (every other one)",
-                                        "memory", choices=("none", "full", "selective"))
-    grad_accum_steps: int = key(1, "micro-batches per optimizer step: the local batch is split into N, "
-                                   "gradients add up, one gradient reduction per step", "memory")
-    # data parallel
-    data_parallel: str = key("ddp", "how the data-parallel ranks hold the training state: ddp "
-                             "(replicated), zero1 (optimizer state sharded), fsdp (parameters, "
-                             "gradients and optimizer state sharded), hsdp (fsdp within groups of "
-                             "dp_shard ranks, replicated across the groups)", "data parallel",
-                             choices=DATA_PARALLEL)
-    dp_shard: int = key(0, "hsdp: ranks in each sharding group; the data-parallel ranks form "
-                           "dp / dp_shard groups that each hold one sharded copy and average "
-                           "gradients between them (0: the ranks of one node)", "data parallel")
-    cpu_offload: bool = key(False, "fsdp / hsdp: keep the parameters, gradients and Adam's state in "
-                                   "host memory (FSDP2's CPUOffloadPolicy); the optimizer steps on "
-                                   "the CPU. --engine deepspeed: ZeRO-Offload (Adam's state and step "
-                                   "on the CPU; the parameters too at --zero_stage 3)", "data parallel")
-    engine: str = key("native", "who runs the step: native (this project's loop and layouts) or "
-                                "deepspeed (DeepSpeed's engine: wrapping, backward, step, accumulation, "
-                                "clipping; install with `make deepspeed`)", "data parallel",
-                      choices=ENGINES)
-    zero_stage: int = key(0, "--engine deepspeed: what its ZeRO partitions over the data-parallel "
-                             "ranks: 0 nothing (DDP), 1 optimizer state, 2 and gradients, 3 and "
-                             "parameters", "data parallel")
-    reshard_after_forward: bool = key(True, "fsdp: free the gathered parameters after forward and "
-                                            "gather them again in backward (ZeRO-3; "
-                                            "--no-reshard_after_forward keeps them: ZeRO-2)",
-                                      "data parallel")
-    bucket_cap_mb: float = key(25.0, "DDP gradient bucket size in MB", "data parallel")
-    grad_compression: str = key("none", "DDP: send the gradients compressed (a communication hook, "
-                                "distributed/compression.py): none, bf16 or fp16 (half the bytes), "
-                                "powersgd (a low-rank approximation)", "data parallel",
-                                choices=GRAD_COMPRESSIONS)
-    powersgd_rank: int = key(4, "powersgd: rank of each gradient matrix's approximation", "data parallel")
-    powersgd_error_feedback: bool = key(True, "powersgd: add each step's compression error to the "
-                                              "next step's gradient", "data parallel")
-    dist_backend: str = key("auto", "process-group backend: auto (NCCL on GPUs, gloo on CPUs), nccl, or "
-                                    "gloo, on GPUs too (tensors go through host memory; ranks may then "
-                                    "share a GPU, as make gpu-check does on a machine with one)",
-                            "data parallel", choices=("auto", "nccl", "gloo"))
-    rendezvous_timeout_s: float = key(60.0, "seconds to wait for every rank to start and meet "
-                                            "(srun or plain environment; torchrun meets on its own)",
-                                      "data parallel")
-    collective_timeout_s: float = key(300.0, "seconds a collective may wait for a rank that stopped "
-                                             "responding before every rank fails (on NCCL the heartbeat "
-                                             "names it then, NCCL's own timeout is 30 s later)",
-                                      "data parallel")
-    disable_broadcast_buffers: bool = key(False, "do not broadcast module buffers from rank 0 "
-                                                 "every forward", "data parallel")
-    noddp: bool = key(False, "no gradient synchronisation: each rank trains alone (profiling "
-                             "compute only)", "data parallel")
-    # freezing layers as training goes (training/freezing.py; PipeTransformer)
-    freeze_schedule: str = key("none", "freeze the embedding and the first blocks as training goes: none, "
-                               "formula (after e epochs ceil(depth (1 - (1 - freeze_alpha)^e)) blocks), "
-                               "steps (--freeze_steps) or gradnorm (per block, the change of its "
-                               "gradients' L1 norm between intervals)", "freezing", choices=FREEZE_SCHEDULES)
-    freeze_alpha: float = key(1 / 3, "formula: the share of the still active blocks frozen after each "
-                                     "epoch (1/3 conservative, 1/2 PipeTransformer's CIFAR-100 runs)",
-                              "freezing")
-    freeze_every: int = key(0, "formula: steps per epoch of the formula; gradnorm: steps per interval "
-                               "(0: the data's epoch)", "freezing")
-    freeze_steps: tuple[int, ...] = key((), "steps: the step (0-based) at which each further block "
-                                            "freezes: the i-th entry freezes block i (the first also "
-                                            "the embedding)", "freezing")
-    freeze_order: str = key("first", "which blocks freeze: first (the earliest, in order) or random "
-                                     "(a control: as many blocks drawn from the seed)", "freezing",
-                            choices=("first", "random"))
-    freeze_cache_mib: float = key(0.0, "memory for the frozen blocks' output per sample, kept for the "
-                                       "next epochs (0: no cache; samples beyond it are recomputed)",
-                                  "freezing")
-    freeze_repipeline: bool = key(True, "with pipeline stages: re-cut them as blocks freeze, and once "
-                                        "the active blocks fit on half the stages, continue on half "
-                                        "the stages with twice the data-parallel ranks", "freezing")
-    # run
-    expdir: str = key("/logs", "root of the run directories", "run")
-    seed: int = key(0, "random seed (weights, data order, dropout)", "run")
-    checkpoint_every: int = key(0, "steps between checkpoints (0 = only at the end)", "run")
-    stop_check_every: int = key(10, "steps between the ranks' checks for a stop signal (TERM, USR1, "
-                                    "USR2); on one, training checkpoints and exits with status 75",
-                                "run")
-    # profiling window (utils/profiling.py): steps profile_start_step.. of epoch profile_epoch
-    profile_epoch: int | None = key(None, "epoch (0-based) whose steps rank 0 brackets with "
-                                          "cudaProfilerStart/Stop", "profiling")
-    profile_start_step: int = key(0, "first profiled step of that epoch (0-based)", "profiling")
-    profile_num_steps: int | None = key(None, "steps in the window (default: to epoch end)",
-                                        "profiling")
-    memory_snapshot: bool = key(False, "record one step's memory by kind (parameters, gradients, "
-                                       "optimizer state, activations) into RUN_DIR/memory "
-                                       "(scripts/plot_memory.py draws it); on CUDA also the "
-                                       "allocator's history for pytorch.org/memory_viz", "profiling")
-    profile: bool = key(False, "write a torch.profiler trace of the window to RUN_DIR/profile "
-                               "(CPU or GPU)", "profiling")
+    __slots__ = tuple(GROUPS)
 
-    def __post_init__(self) -> None:
-        from utils.config_checks import check_config  # the checks import nothing from here
+    def __init__(self, **keys: Any) -> None:
+        unknown = sorted(set(keys) - set(KEY_GROUP))
+        if unknown:
+            raise TypeError(f"Config got unknown keys {unknown}")
+        for attr, group in GROUPS.items():
+            own = {k: v for k, v in keys.items() if KEY_GROUP[k] == attr}
+            object.__setattr__(self, attr, group(**own))
+        check_across(self)
 
-        check_config(self)
+    def __getattr__(self, name: str) -> Any:  # a flat key: its group's value
+        attr = KEY_GROUP.get(name)
+        if attr is None:
+            raise AttributeError(f"Config has no key {name!r}")
+        return getattr(object.__getattribute__(self, attr), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"Config is frozen; use cfg.replace({name}=...)")
+
+    def __reduce__(self) -> tuple:  # pickled as its keys (loader workers, spawned processes)
+        return (_rebuild, (self.keys(),))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Config) and self.keys() == other.keys()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.keys().items()))
+
+    def __repr__(self) -> str:
+        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in self.keys().items()) + ")"
+
+    def keys(self) -> dict[str, Any]:
+        """Every key and its value, flat, in declaration order."""
+        return {k: getattr(getattr(self, attr), k) for k, attr in KEY_GROUP.items()}
+
+    def replace(self, **keys: Any) -> Config:
+        return Config(**{**self.keys(), **keys})
 
     @property
     def data_path(self) -> Path:
@@ -236,9 +101,134 @@ class Config:
         return resolve_path(self.expdir)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = self.keys()
         d["img_size"] = list(self.img_size)
         return d
+
+
+def _rebuild(keys: dict[str, Any]) -> Config:
+    return Config(**keys)
+
+
+def check_across(cfg: Config) -> None:
+    """The checks that need keys of several groups (one-line ValueErrors that say what to do)."""
+    model, optim, layout, memory = cfg.model, cfg.optim, cfg.layout, cfg.memory
+    fp16_refused = [  # each rank's loss scaler would decide alone: the ranks skip different steps
+        (layout.tensor_parallel > 1, "amp_mode fp16 does not work with tensor_parallel > 1 (the ranks' loss "
+                                     "scalers would skip different steps); use --amp_mode bf16"),
+        (layout.sharded,
+         f"amp_mode fp16 is not supported with data_parallel {layout.data_parallel} (its loss scaler would "
+         f"need the sharded gradients' inf checks combined); use --amp_mode bf16"),
+        (layout.pipeline_parallel > 1,
+         "amp_mode fp16 is not supported with pipeline_parallel > 1 (the stages' loss scalers would skip "
+         "different steps); use --amp_mode bf16"),
+        (layout.expert_parallel > 1 and model.num_experts > 0,
+         "amp_mode fp16 does not work with expert_parallel > 1 (each rank's loss scaler sees only its own "
+         "experts' gradients: the ranks would skip different steps and the replicated weights drift apart); "
+         "use --amp_mode bf16"),
+    ]
+    if layout.engine == "deepspeed":
+        refused = [
+            (optim.optimizer_type == "LAMB", "--optimizer LAMB (DeepSpeed's LAMB has no CPU build; use "
+                                             "Adam or AdamW)"),
+            (optim.amp_mode == "fp16", "--amp_mode fp16 (use bf16, which needs no loss scaling)"),
+            (memory.cpu_offload and layout.zero_stage == 0, "--cpu_offload at --zero_stage 0 (ZeRO-Offload "
+                                                            "needs stage 1, 2 or 3)"),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"--engine deepspeed does not run {what}")
+    elif memory.cpu_offload and layout.data_parallel not in ("fsdp", "hsdp"):
+        raise ValueError(f"--cpu_offload moves FSDP's shards to host memory; use it with "
+                         f"--data_parallel fsdp or hsdp, not {layout.data_parallel}")
+    if optim.amp_mode == "fp16":
+        for bad, message in fp16_refused:
+            if bad:
+                raise ValueError(message)
+    check_experts(model, layout)
+    if layout.pipeline_parallel > 1:
+        check_pipeline_fits(model, optim, layout, memory)
+    if cfg.freeze.freeze_schedule != "none":
+        check_freezing(cfg)
+
+
+def check_freezing(cfg: Config) -> None:
+    """Freezing (training/freezing.py) changes which parameters train while the run goes: the
+    layouts whose gradients are reduced or split other than by DDP and pipeline stages keep
+    every parameter in their own bookkeeping, and are refused."""
+    freeze, model, layout = cfg.freeze, cfg.model, cfg.layout
+    if len(freeze.freeze_steps) > model.depth:
+        raise ValueError(f"--freeze_steps gives {len(freeze.freeze_steps)} steps for {model.depth} blocks: "
+                         f"give at most depth steps (the i-th freezes the i-th block)")
+    refused = [
+        (layout.tensor_parallel > 1 or layout.context_parallel > 1, "tensor or context parallelism"),
+        (layout.data_parallel != "ddp", f"--data_parallel {layout.data_parallel} (its shards and sharded "
+                                        f"optimizer keep every parameter: use ddp)"),
+        (layout.engine != "native", "--engine deepspeed"),
+        (model.num_experts > 0, "a mixture of experts"),
+        (layout.pipeline_parallel > 1 and layout.pipeline_schedule in INTERLEAVED,
+         f"the {layout.pipeline_schedule} schedule (several stages per rank: use gpipe or 1f1b)"),
+        (layout.pipeline_parallel > 1 and freeze.freeze_order == "random",
+         "--freeze_order random in a pipeline (its frozen blocks are not a prefix the first stage runs)"),
+        (freeze.freeze_schedule == "gradnorm" and cfg.optim.amp_mode == "fp16",
+         "--amp_mode fp16 (the gradnorm schedule's norms would be of the scaled gradients: use bf16)"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"--freeze_schedule {freeze.freeze_schedule} does not combine with {what} here")
+    pp = layout.pipeline_parallel
+    if pp > 1 and freeze.freeze_repipeline and (pp & (pp - 1) or cfg.optim.local_batch_size is not None):
+        raise ValueError("--freeze_repipeline halves the pipeline stages and doubles the data-parallel "
+                         "ranks as blocks freeze: --pipeline_parallel must be a power of two and the "
+                         "local batch follow the global one (no --local_batch_size)")
+    if not freeze.freeze_cache_mib:
+        return
+    if model.dropout > 0 or freeze.freeze_order == "random" or cfg.data.data_loader_config != "pytorch":
+        raise ValueError("--freeze_cache_mib keeps each sample's output of the frozen first blocks, which "
+                         "is exact only without dropout, with --freeze_order first and the pytorch loader "
+                         "(it names each batch's samples); set --freeze_cache_mib 0 or change those")
+
+
+def check_experts(model: ModelConfig, layout: ParallelConfig) -> None:
+    """A mixture of experts computes its capacity and balancing statistics per sample: a sample's
+    tokens must be on one rank (no context or sequence parallelism), and its auxiliary loss
+    must reach the loss (no pipeline stages, which see only their own blocks)."""
+    if layout.expert_parallel > 1 and not model.num_experts:
+        raise ValueError("--expert_parallel splits the experts of a mixture of experts; give --num_experts "
+                         "too")
+    if not model.num_experts:
+        return
+    if model.num_experts % layout.expert_parallel:
+        raise ValueError(f"num_experts {model.num_experts} is not divisible by expert_parallel "
+                         f"{layout.expert_parallel}; each rank holds as many experts")
+    if layout.expert_parallel > 1 and (layout.data_parallel != "ddp" or layout.noddp):
+        what = "--noddp" if layout.noddp else f"--data_parallel {layout.data_parallel}"
+        raise ValueError(f"--expert_parallel runs with DDP here (its hook averages the experts over the "
+                         f"ranks that hold them), not with {what}; use --data_parallel ddp")
+    other = [f"--{name}" for name in ("context_parallel", "pipeline_parallel") if getattr(layout, name) > 1]
+    if layout.sequence_parallel:
+        other.append("--sequence_parallel")
+    if other:
+        raise ValueError(f"--num_experts does not combine with {', '.join(other)} here (its capacity and "
+                         f"balancing are computed over each sample's tokens on one rank); use data or "
+                         f"tensor parallelism")
+
+
+def check_pipeline_fits(model: ModelConfig, optim: OptimizerConfig, layout: ParallelConfig,
+                        memory: MemoryConfig) -> None:
+    if memory.grad_accum_steps > 1:
+        raise ValueError("with pipeline_parallel > 1 the micro-batches are the gradient accumulation: "
+                         "use --num_microbatches instead of --grad_accum_steps")
+    pp, stages = layout.pipeline_parallel, layout.stages
+    if stages > model.depth:
+        what = (f"pipeline_parallel {pp} x stages_per_rank {layout.stages_per_rank} = {stages} stages"
+                if stages > pp else f"pipeline_parallel {pp} stages")
+        raise ValueError(f"{what} for {model.depth} transformer blocks: every stage needs at least one "
+                         f"block; use fewer stages (or a deeper model)")
+    if layout.pipeline_schedule == "zero_bubble" and optim.enable_jit:
+        raise ValueError("the zero_bubble schedule splits each backward into its input and weight "
+                         "parts, which torch.compile'd blocks do not allow; use --no-enable_jit or "
+                         "another schedule")
 
 
 # Keys a resumed run may change (training/run_dir.py): how data is loaded, profiled, checkpointed,
@@ -257,7 +247,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "freeze_cache_mib", "freeze_repipeline",
 })
 
-FIELDS = tuple(typing.get_type_hints(Config))
+FIELDS = tuple(KEY_GROUP)
 
 
 def resolve_path(path: str) -> Path:
@@ -310,4 +300,4 @@ def load_config(path: Path | str, name: str) -> Config:
 def with_overrides(cfg: Config, **overrides: Any) -> Config:
     """Return a new Config with the given values; ``None`` means 'flag not given'."""
     given = {k: v for k, v in overrides.items() if v is not None}
-    return dataclasses.replace(cfg, **_normalise(given, "command-line overrides"))
+    return cfg.replace(**_normalise(given, "command-line overrides"))

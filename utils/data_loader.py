@@ -9,21 +9,138 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import multiprocessing
 import signal
+import weakref
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from utils.batch_memory import BatchMemory, shared_empty
 from utils.config import Config
+from utils.era5 import DataError, find_year_files, load_stats, split_dir
 from utils.h5_steps import StepReader
-from utils.sampler import ShardedSampler
 from utils.signals import ignore_in_worker
-from utils.year_files import DataError, find_year_files, load_stats, split_dir
 
 log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------- sampler ---
+# Which samples each data-parallel rank takes, in which order, from which batch on.
+class ShardedSampler(Sampler[int]):
+    """Each of ``num_shards`` ranks takes every num_shards-th index of one shared order.
+
+    The order is a permutation seeded by (seed, epoch), identical on every rank, when
+    ``shuffle``; the natural order otherwise. With ``drop_last`` the order is cut to a
+    multiple of num_shards * batch_size so every rank runs the same number of full
+    batches; without it, ranks may hold one sample fewer (no padding, so validation
+    sees each sample exactly once). ``start_batch`` skips the batches already trained
+    in this epoch, for an exact resume from a mid-epoch checkpoint.
+    """
+
+    def __init__(self, n_samples: int, num_shards: int = 1, shard_id: int = 0,
+                 shuffle: bool = False, seed: int = 0, drop_last: bool = False,
+                 batch_size: int = 1) -> None:
+        if not 0 <= shard_id < num_shards:
+            raise ValueError(f"shard_id {shard_id} not in [0, {num_shards})")
+        self.n_samples, self.num_shards, self.shard_id = n_samples, num_shards, shard_id
+        self.shuffle, self.seed, self.drop_last, self.batch_size = shuffle, seed, drop_last, batch_size
+        self.epoch = 0
+        self.start_batch = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def epoch_order(self) -> list[int]:
+        """This rank's indices for the current epoch, before skipping."""
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+            order = torch.randperm(self.n_samples, generator=g).tolist()
+        else:
+            order = list(range(self.n_samples))
+        if self.drop_last:
+            per_step = self.num_shards * self.batch_size
+            order = order[: (len(order) // per_step) * per_step]
+        return order[self.shard_id :: self.num_shards]
+
+    def __iter__(self):
+        return iter(self.epoch_order()[self.start_batch * self.batch_size :])
+
+    def __len__(self) -> int:
+        return max(0, len(self.epoch_order()) - self.start_batch * self.batch_size)
+
+    def batches_per_epoch(self) -> int:
+        """Batches of this rank in a whole epoch (the last one partial without drop_last)."""
+        n = len(self.epoch_order())
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+
+# ---------------------------------------------------------------- batch memory ---
+# Batch tensors that the training loop hands back to the loader for reuse.
+#
+# A fresh batch tensor is fresh memory: the kernel maps and zeroes every 4 KB page on its
+# first write, which for a 21 MB batch of the `small` config is a sizeable part of reading it
+# (measured on a 2-core VM: prototypes of this loader writing into fresh batches reached
+# 0.71-0.85x of a plain h5py read, writing into recycled ones 0.97x). A plain read loop
+# never pays this, because the allocator hands it back the block it has just freed.
+#
+# Only the consumer knows when a batch is no longer needed, so it says so: the loader lends
+# a batch with ``take``, and the training loop calls ``give_back`` once its step is over (the
+# forward pass, the backward that read the saved tensors and the optimizer step are all
+# done). A batch that is never given back is never reused: the pool keeps only a weak
+# reference to it, and it is freed as usual when its last user lets go. Batches that leave
+# the process (loader workers send theirs through shared memory) are not lent from here.
+class BatchMemory:
+    """Float32 CPU tensors of a few shapes, lent out and given back.
+
+    ``take(shape)`` returns a tensor of that shape that was given back earlier, or a new one.
+    ``give_back(tensor)`` returns a tensor that ``take`` lent (other tensors are ignored); at
+    most ``keep`` given-back tensors wait for reuse.
+    """
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        # data pointer -> weak reference to the tensor lent out from it
+        self._lent: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.reused = self.made = 0
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        shape = tuple(shape)
+        for i, tensor in enumerate(self._free):
+            if tuple(tensor.shape) == shape:
+                del self._free[i]
+                self.reused += 1
+                break
+        else:
+            tensor = torch.empty(shape)
+            self.made += 1
+        if len(self._lent) > 64:  # batches never given back (validation's): forget the dead ones
+            self._lent = {ptr: ref for ptr, ref in self._lent.items() if ref() is not None}
+        self._lent[tensor.data_ptr()] = weakref.ref(tensor)
+        return tensor
+
+    def give_back(self, *tensors: torch.Tensor) -> None:
+        """The caller no longer uses these tensors (nor views of them)."""
+        for tensor in tensors:
+            ref = self._lent.pop(tensor.data_ptr(), None)
+            lent = None if ref is None else ref()
+            if lent is None or lent.shape != tensor.shape or lent.is_shared():
+                continue  # not one of ours (a view, a copy, a pinned or shared tensor)
+            self._free.append(lent)
+            del self._free[: -self.keep]
+
+
+def shared_empty(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised float32 tensor in shared memory, for a batch a loader worker makes.
+    Sending a tensor to the training process moves it into shared memory first; moving it
+    before anything is written into it copies untouched pages, where moving the finished
+    batch would copy the whole batch again."""
+    return torch.empty(shape).share_memory_()
+
+
+# ---------------------------------------------------------------- the data set ---
 
 
 class ERA5Dataset(Dataset):
@@ -83,7 +200,7 @@ class ERA5Dataset(Dataset):
         normalised there while it is still in cache; the float32 operations are those of
         ``__getitem__`` (subtract the mean, then divide by the std), so the values are the
         same bits. In the process that trains (no loader workers), the batch tensors are
-        reused once the training loop gives them back (``give_back``, utils/batch_memory.py).
+        reused once the training loop gives them back (``give_back``, BatchMemory above).
         """
         h, w = self.img_size
         shapes = (len(indices), len(self.means), h, w), (len(indices), self.n_out, h, w)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,6 +36,14 @@ def slurm_task(environ: dict[str, str] | None = None) -> bool:
     one): Slurm then gives it CPUs (and, with --gpus-per-task, a GPU) of its own."""
     env = os.environ if environ is None else environ
     return "SLURM_STEP_ID" in env and "TORCHELASTIC_RUN_ID" not in env
+
+
+def node_name(env: dict[str, str] | None = None) -> str:
+    """This process's node: Slurm's name for it (SLURMD_NODENAME, set in every task), else the
+    host name. They are the same on most clusters; they differ where several Slurm nodes share
+    one machine (the tests' two-node cluster)."""
+    env = os.environ if env is None else env
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def pick_device(local_rank: int = 0, local_world_size: int = 1,

@@ -1,8 +1,20 @@
-"""Facts about the ERA5 data layout shared by the loaders, metrics and the generator."""
+"""The ERA5 data as this course stores it: the channels and the layout shared by the loaders,
+metrics and the generator; and the year files of a data set, found, checked against the
+configuration, and their global statistics loaded, each problem a one-line ``DataError`` saying
+what to do."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
 import numpy as np
+
+from utils.config import Config
+
+log = logging.getLogger(__name__)
 
 # The 20 channels of the NERSC tutorial data, in file order.
 CHANNELS = (
@@ -30,3 +42,99 @@ def longitudes(n_lon: int) -> np.ndarray:
 
 def channel_index(name: str) -> int:
     return CHANNELS.index(name)
+
+
+# ------------------------------------------------------------------ year files ---
+log = logging.getLogger(__name__)
+
+GENERATE_HINT = (
+    "generate synthetic data with `make data` (or `python scripts/make_synthetic_era5.py "
+    "--output_dir DIR --img_size H W`), or point --data_dir at the NERSC ERA5 copy "
+    "(/pscratch/sd/s/shas1693/data/sc23_tutorial_data/downsampled on Perlmutter)"
+)
+
+
+class DataError(ValueError):
+    """The data on disk does not match what the configuration asks for."""
+
+
+@dataclass(frozen=True)
+class YearFile:
+    path: Path
+    n_steps: int
+    grid: tuple[int, int]
+
+
+def split_dir(data_dir: Path, split: str) -> Path:
+    return Path(data_dir) / split
+
+
+def _check_year_file(path: Path, n_channels: int, img_size: tuple[int, int], dt: int) -> YearFile:
+    try:
+        f = h5py.File(path, "r")
+    except OSError as err:
+        raise DataError(f"{path} is not a readable HDF5 file ({err}); regenerate or re-copy it") from err
+    with f:
+        if "fields" not in f:
+            raise DataError(f"{path} has no dataset 'fields' (found: {', '.join(f) or 'nothing'}); "
+                            f"expected fields of shape (T, C, H, W)")
+        shape, dtype = f["fields"].shape, f["fields"].dtype
+    if dtype != np.float32:
+        raise DataError(f"{path}: 'fields' holds {dtype}, not float32; convert the year files to float32 "
+                        f"(for example with h5py: f2.create_dataset('fields', data=f['fields'][...]"
+                        f".astype('float32')))")
+    if len(shape) != 4:
+        raise DataError(f"{path}: 'fields' has shape {shape}, expected (T, C, H, W)")
+    t, c, h, w = shape
+    if c != n_channels:
+        raise DataError(f"{path} has {c} channels but n_in_channels is {n_channels}; "
+                        f"use matching data or set n_in_channels")
+    if h < img_size[0] or w < img_size[1]:
+        raise DataError(f"{path} holds {h} x {w} fields, smaller than img_size "
+                        f"{img_size[0]} x {img_size[1]}; lower img_size or regenerate the data")
+    if t < dt + 1:
+        raise DataError(f"{path} has {t} time steps, too few for dt={dt} (needs at least {dt + 1})")
+    return YearFile(path, t, (h, w))
+
+
+def find_year_files(data_dir: Path, split: str, cfg: Config) -> list[YearFile]:
+    """The split's year files, checked against the configuration."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"data directory {data_dir} does not exist; {GENERATE_HINT}")
+    folder = split_dir(data_dir, split)
+    paths = sorted(folder.glob("*.h5")) if folder.is_dir() else []
+    if not paths:
+        raise DataError(f"no .h5 files in {folder}; {GENERATE_HINT}")
+    files = [_check_year_file(p, cfg.n_in_channels, cfg.img_size, cfg.dt) for p in paths]
+    grids = {f.grid for f in files}
+    if len(grids) > 1:
+        listed = ", ".join(f"{f.path.name} {f.grid[0]} x {f.grid[1]}" for f in files)
+        raise DataError(f"the year files of {folder} hold different grids ({listed}); every year of a "
+                        f"data set must be on the same grid")
+    grid = grids.pop()
+    if grid != tuple(cfg.img_size):
+        log.info("%s holds %d x %d fields; training on their top-left %d x %d (img_size), cropped as the "
+                 "original tutorial does", folder, *grid, *cfg.img_size)
+    return files
+
+
+def load_stats(data_dir: Path, n_channels: int) -> dict[str, np.ndarray]:
+    """Global means and stds as float32 arrays of shape (1, C, 1, 1)."""
+    stats = {}
+    for name in ("global_means", "global_stds"):
+        path = Path(data_dir) / "stats" / STATS_FILES[name]
+        if not path.is_file():
+            raise DataError(f"missing statistics file {path}; {GENERATE_HINT}")
+        array = np.load(path).astype(np.float32)
+        if array.shape != (1, n_channels, 1, 1):
+            raise DataError(f"{path} has shape {array.shape}, expected (1, {n_channels}, 1, 1)")
+        stats[name] = array
+    for name, array in stats.items():
+        if not np.isfinite(array).all():
+            raise DataError(f"{data_dir}/stats/{STATS_FILES[name]} holds NaN or inf; recompute the "
+                            f"statistics (make data does for the synthetic set)")
+    if np.any(stats["global_stds"] <= 0):
+        raise DataError(f"{data_dir}/stats/global_stds.npy has non-positive entries; recompute the "
+                        f"statistics (make data does for the synthetic set)")
+    return stats

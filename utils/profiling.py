@@ -169,7 +169,7 @@ class MemoryRecord:
         self.target: int | None = None
 
     @contextlib.contextmanager
-    def step(self, global_step: int) -> Iterator[None]:
+    def step(self, epoch: int, batch: int, global_step: int) -> Iterator[None]:
         if not self.enabled:
             yield
             return
