@@ -34,7 +34,8 @@ from scripts import cost_model as cm  # noqa: E402
 from scripts.instruments import read_metrics, write_report  # noqa: E402
 from scripts.workers import run_worker, worker_env  # noqa: E402
 from training.context import Callback, RunContext  # noqa: E402
-from training.freezing import freeze_order, step_class  # noqa: E402
+from training.freezing import freeze_order  # noqa: E402
+from training.launcher import step_for  # noqa: E402
 from training.trainer import EagerStep, Trainer  # noqa: E402
 from utils import checkpoint as ckpt  # noqa: E402
 from utils import device as dev  # noqa: E402
@@ -70,7 +71,7 @@ def train(cfg: Config, run_dir: Path, init: Path | None = None) -> tuple[list[di
     """One run on this process's device: each step's time and loss, and its metrics records."""
     device = torch.device("cuda", 0) if dev.cuda_available() else torch.device("cpu")
     clock = StepClock(device, init)
-    step = step_class(cfg) if cfg.freeze_schedule != "none" else EagerStep
+    step = step_for(cfg, EagerStep)
     Trainer(cfg, RunContext(device=device, run_dir=run_dir), cfg.global_batch_size, step=step,
             callbacks=[clock]).fit()
     return clock.steps, read_metrics(run_dir)

@@ -436,11 +436,3 @@ class FreezingStep(Freezing, EagerStep):
         gc.collect()  # the old reducer (and its autograd hooks) is freed before the new one exists
         t.model = wrap_data_parallel(t.raw_model, t.ctx.mesh, t.device, t.cfg.layout, t.cfg.seed)
 
-
-def step_class(cfg: Config) -> type[EagerStep]:
-    """The freezing step for this layout: a pipeline's, or the eager one."""
-    if cfg.pipeline_parallel > 1:
-        from training.repipelining import FreezingPipelineStep
-
-        return FreezingPipelineStep
-    return FreezingStep

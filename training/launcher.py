@@ -240,9 +240,13 @@ def step_for(cfg: Config, script_step: type[EagerStep]) -> type[EagerStep]:
             raise ValueError(f"--freeze_schedule {cfg.freeze_schedule} changes which layers train as the "
                              f"run goes, which this script's step does not follow; use train.py or "
                              f"train_mp.py")
-        from training import freezing
+        if cfg.pipeline_parallel > 1:
+            from training.repipelining import FreezingPipelineStep
 
-        return freezing.step_class(cfg)
+            return FreezingPipelineStep
+        from training.freezing import FreezingStep
+
+        return FreezingStep
     if script_step is not EagerStep:
         return script_step
     if cfg.pipeline_parallel > 1:
