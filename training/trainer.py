@@ -386,8 +386,7 @@ class Trainer:
         self.train_data.set_epoch(epoch, start_batch)
         done = 0
         for batch in self.train_data:  # (input, target): (B, C, H, W) each
-            # a step that needs another layout: checkpoint here, the launcher goes on in that one
-            self.next_layout = self.variant.next_layout() if self.step < self.cfg.num_iters else None
+            self.next_layout = self.variant.next_layout()  # another: a checkpoint, the launcher moves on
             if self.step >= self.cfg.num_iters or self.next_layout is not None:
                 break
             with self.watched(epoch, start_batch + done), dev.nvtx_range(f"step {self.step}"):
