@@ -69,6 +69,33 @@ def split_blocks(depth: int, n_stages: int) -> list[range]:
     return ranges
 
 
+def balanced_split(costs: list[float], n_stages: int) -> list[range]:
+    """Contiguous items per stage, at least one each, such that the costliest stage costs as
+    little as it can (a pipeline runs at the pace of its slowest stage). Dynamic programming:
+    best[s][i] is the smallest possible largest cost of the first i items on s stages."""
+    n = len(costs)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"{n} items do not fill {n_stages} stages of at least one each")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]  # where the last stage of that best starts
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):  # the s-th stage takes items j .. i - 1
+                worst = max(best[s - 1][j], prefix[i] - prefix[j])
+                if worst < best[s][i]:
+                    best[s][i], cut[s][i] = worst, j
+    ranges, end = [], n
+    for s in range(n_stages, 0, -1):
+        ranges.insert(0, range(cut[s][end], end))
+        end = cut[s][end]
+    return ranges
+
+
 def rank_stages(pp_rank: int, pp: int, per_rank: int) -> list[int]:
     """The stages one rank holds: r, r + p, r + 2p, ... (the loop order interleaving expects)."""
     return [pp_rank + k * pp for k in range(per_rank)]
@@ -88,11 +115,14 @@ def cut_stage(model: ViT, blocks: range, first: bool, last: bool) -> ViT:
     return model
 
 
-def describe_split(ranges: list[range], pp: int) -> str:
+def describe_split(ranges: list[range], pp: int, prefix: int = 0) -> str:
     parts = []
     for s, r in enumerate(ranges):
         what = [f"blocks {r.start}-{r.stop - 1}" if len(r) > 1 else f"block {r.start}"]
-        if s == 0:
+        if s == 0 and prefix:
+            frozen = f"blocks 0-{prefix - 1}" if prefix > 1 else "block 0"
+            what.insert(0, f"(frozen, without autograd: embedding + {frozen})")
+        elif s == 0:
             what.insert(0, "embedding")
         if s == len(ranges) - 1:
             what.append("head")
@@ -103,13 +133,19 @@ def describe_split(ranges: list[range], pp: int) -> str:
 class Pipeline:
     """This rank's stages and the schedule that runs them. Stands in for the model in the
     Trainer: ``parameters()`` / ``named_parameters()`` are those of all its stages (serial
-    names), ``step`` trains on a batch, ``forward`` predicts (on the last stage)."""
+    names), ``step`` trains on a batch, ``forward`` predicts (on the last stage).
+
+    ``prefix``: on the first stage's rank, the frozen embedding and first blocks (training/freezing.py),
+    which run before the schedule without autograd: the first stage then takes their output
+    tokens, and ``step`` is given those (a frozen prefix is off the schedule, as in PipeTransformer)."""
 
     def __init__(self, chunks: list[nn.Module], stage_ids: list[int], n_stages: int,
                  mesh: ParallelMesh, device: torch.device, layout: ParallelConfig,
                  token_shape: tuple[int, int],
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 prefix: nn.Module | None = None) -> None:
         self.chunks, self.stage_ids, self.n_stages = chunks, stage_ids, n_stages
+        self.prefix = prefix
         self.group, self.pp, self.pp_rank = mesh.group("pp"), mesh.size("pp"), mesh.rank_in("pp")
         self.peers = dist.get_process_group_ranks(self.group)  # global rank of each pp rank
         self.device = device
@@ -140,6 +176,8 @@ class Pipeline:
 
     # --------------------------------------------------------- the model's interface ---
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        if self.prefix is not None:
+            yield from self.prefix.named_parameters()
         for chunk in self.chunks:
             yield from unwrap(chunk).named_parameters()
 
@@ -148,7 +186,7 @@ class Pipeline:
             yield p
 
     def train(self, mode: bool = True) -> Pipeline:
-        for chunk in self.chunks:
+        for chunk in [self.prefix, *self.chunks] if self.prefix is not None else self.chunks:
             chunk.train(mode)
         return self
 
@@ -173,7 +211,7 @@ class Pipeline:
         """Prediction for validation: no schedule needed, the batch goes through the stages one
         after the other (each rank receives, runs its stage, sends). The output exists on the
         last stage only (None elsewhere)."""
-        x = inp
+        x = inp if self.prefix is None or not self.is_first else self.prefix(inp)
         for s in range(self.n_stages):
             if s % self.pp != self.pp_rank:
                 continue
@@ -242,19 +280,25 @@ def _timed(fn: Callable[..., Any], kind: str, stage: int, events: list,
 def build(serial: ViT, mesh: ParallelMesh, layout: ParallelConfig, device: torch.device,
           parallelize: Callable[[ViT], nn.Module],
           loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-          kind: type[Pipeline] = Pipeline) -> Pipeline:
+          kind: type[Pipeline] = Pipeline, ranges: list[range] | None = None, prefix: int = 0) -> Pipeline:
     """Cut ``serial`` into this rank's stages, make each one parallel over the other dimensions
     (``parallelize``: tp, checkpointing, compile, DDP/FSDP over dp), and set up the schedule
-    (``kind``: a subclass of Pipeline that runs another, distributed/async_pipeline.py's)."""
+    (``kind``: a subclass of Pipeline that runs another, distributed/async_pipeline.py's).
+    ``ranges``: each stage's blocks (default: as equal as possible); ``prefix``: the embedding and
+    that many first blocks are frozen and run before the schedule on the first stage's rank."""
     n_stages = layout.stages
-    ranges = split_blocks(len(serial.blocks), n_stages)
+    ranges = ranges or split_blocks(len(serial.blocks), n_stages)
     token_shape = (serial.num_tokens, serial.pos_embed.shape[-1])
     ids = rank_stages(mesh.rank_in("pp"), mesh.size("pp"), n_stages // mesh.size("pp"))
     if mesh.rank == 0:
         log.info("pipeline of %d stages, %s schedule, %d micro-batches: %s", n_stages,
-                 layout.pipeline_schedule, layout.num_microbatches, describe_split(ranges, mesh.size("pp")))
+                 layout.pipeline_schedule, layout.num_microbatches,
+                 describe_split(ranges, mesh.size("pp"), prefix))
+    frozen = None
+    if prefix and 0 in ids:
+        frozen = parallelize(cut_stage(copy.deepcopy(serial), range(prefix), True, False))
     chunks = []
     for k, s in enumerate(ids):
         model = serial if k == len(ids) - 1 else copy.deepcopy(serial)  # one copy per stage
-        chunks.append(parallelize(cut_stage(model, ranges[s], s == 0, s == n_stages - 1)))
-    return kind(chunks, ids, n_stages, mesh, device, layout, token_shape, loss_fn)
+        chunks.append(parallelize(cut_stage(model, ranges[s], s == 0 and not prefix, s == n_stages - 1)))
+    return kind(chunks, ids, n_stages, mesh, device, layout, token_shape, loss_fn, frozen)

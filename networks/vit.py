@@ -198,18 +198,25 @@ class ViT(nn.Module):
         x = x.reshape(b, gh, gw, c, p, p).permute(0, 3, 1, 4, 2, 5)
         return x.reshape(b, c, gh * p, gw * p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, N, D), every token (context parallel: (B, n, D), this rank's)."""
+        # The patch embedding's transpose leaves the tokens strided as (B, D, N); they are copied
+        # into (B, N, D) order here because torch.compile'd blocks under bf16 autocast gave NaN for
+        # that strided input on some Intel AMX CPUs (torch 2.13 and 2.15;
+        # scripts/compile_bf16_check.py shows it on a CPU)
+        x = self.pos_drop((self.patch_embed(x) + self.pos_embed).contiguous())
+        return self.seq_split(x)
+
+    def forward(self, x: torch.Tensor, first_block: int = 0) -> torch.Tensor:
         # A pipeline stage (distributed/pipeline.py) has only some of the parts: without the
         # patch embedding it receives tokens (B, N, D); without the head it returns them.
-        if self.patch_embed is not None:
-            # (B, N, D), every token. The patch embedding's transpose leaves the tokens strided as
-            # (B, D, N); they are copied into (B, N, D) order here because torch.compile'd blocks
-            # under bf16 autocast gave NaN for that strided input on some Intel AMX CPUs (torch
-            # 2.13 and 2.15; scripts/compile_bf16_check.py shows it on a CPU)
-            x = self.pos_drop((self.patch_embed(x) + self.pos_embed).contiguous())
-            x = self.seq_split(x)  # context parallel: (B, n, D), this rank's tokens
-        for block in self.blocks.values():
-            x = block(x)
+        # ``first_block`` > 0: the embedding and the blocks before it have run already (a frozen
+        # prefix, training/freezing.py), and x is their output tokens.
+        if self.patch_embed is not None and first_block == 0:
+            x = self.embed(x)
+        for name, block in self.blocks.items():
+            if int(name) >= first_block:
+                x = block(x)
         if self.head is None:  # point-to-point sends need one contiguous buffer
             return x.contiguous()
         x = self.seq_gather(self.head(self.norm(x)))  # every token again: (B, N, C * p * p)

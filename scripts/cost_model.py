@@ -237,6 +237,46 @@ def async_recomputes(lay: Layout, pp_rank: int) -> bool:
     return lay.asynchronous and pp_rank < lay.pp - 1
 
 
+# ------------------------------------------------------------------ freezing ---
+def freezing_flops(m: Model, batch: int, frozen: int, cached: bool = False) -> dict[str, int]:
+    """Matmul FLOPs of one step on one device with the embedding and the first ``frozen`` blocks
+    frozen (training/freezing.py). An active block runs forward and backward (3 F, backward about
+    twice forward); a frozen one its forward only (F), or nothing when the activation cache holds
+    its output; the frozen embedding likewise (F, or nothing; active: 2 F, its input needs no
+    gradient). The norm and head always train (3 F)."""
+    lay = Layout(batch=batch)
+    fwd = [batch * sum(2 * r * k * c for r, k, c in block_matmuls(m, lay, i).values())
+           for i in range(m.depth)]  # each block's forward
+    embed = 2 * batch * m.tokens * m.c_in * m.patch**2 * m.dim
+    frozen_times = 0 if cached else 1
+    out = {"active blocks": 3 * sum(fwd[frozen:]), "frozen blocks": frozen_times * sum(fwd[:frozen]),
+           "patch embedding": (frozen_times if frozen else 2) * embed,
+           "head": 3 * 2 * batch * m.tokens * m.dim * m.c_out * m.patch**2}
+    out["total"] = sum(out.values())
+    return out
+
+
+def cache_bytes(m: Model, samples: int, element: int = E) -> int:
+    """The activation cache when it holds every sample: each sample's frozen-prefix output is its
+    N tokens of width D (fp32), whatever the number of frozen blocks."""
+    return samples * m.tokens * m.dim * element
+
+
+def freezing_table(m: Model, batch: int, samples: dict[str, int]) -> str:
+    """Per number of frozen blocks, the step's FLOPs against nothing frozen, without and with the
+    cache; then the cache's size for the given data sets."""
+    whole = freezing_flops(m, batch, 0)["total"]
+    lines = ["| frozen blocks | step FLOPs, recomputed | with the cache |", "|---|---|---|"]
+    for k in range(m.depth + 1):
+        lines.append(f"| {k} | {freezing_flops(m, batch, k)['total'] / whole:.2f} | "
+                     f"{freezing_flops(m, batch, k, cached=True)['total'] / whole:.2f} |")
+    lines.append("")
+    per = cache_bytes(m, 1)
+    lines += [f"cache: {per / 2**10:.0f} KiB per sample ({m.tokens} tokens x {m.dim} x 4 bytes)"]
+    lines += [f"  {name}: {n} samples, {cache_bytes(m, n) / MIB:,.1f} MiB" for name, n in samples.items()]
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------ memory ---
 def weight_versions(lay: Layout, pp_rank: int = 0) -> int:
     """Weight versions a pipeline rank holds at most, its newest weights included (one for every
@@ -968,6 +1008,9 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--published", action="store_true", help="the original tutorials' results beside "
                    "the model's predictions for an A100 node")
     p.add_argument("--plan", action="store_true", help="the layouts that fit, fastest first")
+    p.add_argument("--freezing", action="store_true", help="freezing blocks (training/freezing.py): a "
+                   "step's FLOPs per number of frozen blocks, with and without the activation cache, and "
+                   "the cache's size for a year of six-hourly samples and for the config's sample limit")
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--gpu_memory_gb", type=float, default=40.0)
     p.add_argument("--steps", type=int, default=10, help="--check: steps per run (3 untimed)")
@@ -1004,6 +1047,8 @@ def main(argv: list[str] | None = None) -> int:
         return published_command(args)
     if args.roofline:
         return roofline_command(args, m, machine)
+    if args.freezing:
+        return freezing_command(args, m, cfg)
     if args.plan:
         return plan_command(args, m, cfg, machine)
     print(show(m, layout_from(cfg, args.ranks), machine, args.dtype))
@@ -1064,6 +1109,17 @@ def roofline_command(args: argparse.Namespace, m: Model, machine: dict[str, Any]
     for name, f, by in block_layers(m, batch=16):
         print(f"  {name:26} {f / by:8.1f}")
     print(f"written to {args.out / 'roofline.png'}")
+    return 0
+
+
+def freezing_command(args: argparse.Namespace, m: Model, cfg: Any) -> int:
+    # a training sample is a pair (t, t + dt) within one year file: a file of T steps holds T - dt
+    samples = {"the demo data's training year (make data: 730 steps)": 730 - cfg.dt,
+               "a year of six-hourly ERA5 (1460 steps)": 1460 - cfg.dt}
+    if cfg.limit_nsamples:
+        samples[f"{args.config}'s limit_nsamples"] = cfg.limit_nsamples
+    print(f"{args.config}, batch {args.global_batch_size}:")
+    print(freezing_table(m, args.global_batch_size, samples))
     return 0
 
 

@@ -21,7 +21,7 @@ from utils.data_loader import ERA5Dataset
 VARIANT = os.environ.get("EXERCISE_VARIANT", "solution")
 NAMES = ("sample_index", "amp_step", "allreduce_grads", "compress_hook", "tp_mlp", "tp_mlp_split",
          "grad_accum", "pipeline_balance", "lamb_trust", "dispatch", "zero_memory", "activation_memory",
-         "pipedream_planner")
+         "freeze_schedule", "pipedream_planner")
 
 
 def exercise(name: str, variant: str = VARIANT):
@@ -52,7 +52,7 @@ def test_shipped_exercises_are_unsolved(name, tmp_path):
     module = shipped_exercise(name, tmp_path)
     functions = ("locate", "amp_step", "average_gradients", "bf16_hook", "shard_mlp", "tp_mlp_forward",
                  "accumulate_gradients", "balance_stages", "lamb_update", "dispatch_plan",
-                 "zero_bytes_per_rank", "block_activation_bytes", "plan_pipeline")
+                 "zero_bytes_per_rank", "block_activation_bytes", "frozen_after", "plan_pipeline")
     fn = next(getattr(module, f) for f in functions if hasattr(module, f))
     with pytest.raises(NotImplementedError, match="exercise"):
         fn(*([None] * fn.__code__.co_argcount))
@@ -399,6 +399,28 @@ def test_pipeline_balance():
         assert largest == pytest.approx(_largest_stage_by_brute_force(costs, n_stages)), (costs, ranges)
     # the ViT's case: a heavy last layer (norm, head and loss) gets a stage of its own
     assert balance([1.0, 1.0, 1.0, 1.0, 1.0, 2.5], 3)[-1] == range(5, 6)
+
+
+def test_freeze_schedule():
+    """The formula against PipeTransformer's values and the project's schedule; the number of
+    stages against the project's re-pipelining (training/repipelining.py) for two models, from 2
+    and 4 stages, at every number of frozen blocks."""
+    from distributed.pipeline import balanced_split
+    from training.freezing import formula_frozen
+    from training.repipelining import pipeline_layout, stage_items
+    from utils.config import DEFAULT_YAML, load_config
+
+    ex = exercise("freeze_schedule")
+    got = [ex.frozen_after(12, 1 / 3, e) for e in range(8)]
+    assert got[1] != 5, "12 x (1 - 2/3) is 4.000000000000001 in floating point: guard the ceil"
+    assert got == [0, 4, 7, 9, 10, 11, 11, 12]
+    for depth, alpha, epoch in [(4, 0.5, 3), (24, 0.25, 5), (8, 0.9, 9), (6, 1 / 3, 40)]:
+        assert ex.frozen_after(depth, alpha, epoch) == formula_frozen(depth, alpha, epoch), (depth, alpha)
+    for name, start in (("tiny", 2), ("tiny_deep", 2), ("tiny_deep", 4)):
+        cfg = load_config(DEFAULT_YAML, name)
+        for frozen in range(cfg.depth):
+            stages = ex.stages_after(stage_items(cfg, frozen), stage_items(cfg, 0), start, balanced_split)
+            assert stages == pipeline_layout(cfg, frozen, start)[0], (name, start, frozen)
 
 
 def _best_plan_by_brute_force(module, times, activations, weights, workers, bandwidth) -> float:

@@ -332,6 +332,11 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
         "--sgd_updates", "4", "--slow_ms", "20", "--val_samples", "8",
         "--", "--limit_nsamples", "32", "--data_dir", str(runner.data_for("tiny"))],
     "hang_demo.py": lambda runner: ["--timeout", "1"],  # both cases; it fails if no rank is named
+    "freeze_report.py": lambda runner: [  # 2 steps per number of frozen blocks of `tiny` (its 4
+        # blocks), 4 of fine-tuning, the pipeline shrinking within 4 steps
+        "--config", "tiny", "--epoch_steps", "1", "--finetune_steps", "4", "--freeze_every", "2",
+        "--pipeline_steps", "4", "--pipeline_freeze_steps", "1", "2", "3", "--batch", "8",
+        "--data_dir", str(runner.data_for("tiny"))],
     "benchmark.py": lambda runner: [  # one rung, one step of batch 2 (the full ladder: test_ladder.py)
         "--data_dir", str(runner.data_for("small")), "--rungs", "baseline", "--steps", "1", "--batch", "2",
         "--warmup", "0", "--profile_steps", "1", "--loader_batches", "1", "--matmul_size", "64",

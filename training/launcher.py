@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -90,8 +91,8 @@ def setup_logging(rank: int = 0, log_file: Path | None = None) -> None:
 def _flag_type(hint: Any) -> tuple[Any, dict[str, Any]]:
     """argparse type and extra options for a Config field's type hint."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is tuple:
-        return args[0], {"nargs": len(args)}
+    if typing.get_origin(hint) is tuple:  # tuple[int, ...]: any number of values, none included
+        return args[0], {"nargs": "*" if args[-1] is Ellipsis else len(args)}
     if args:  # Optional[X]
         hint = args[0]
     if hint is bool:
@@ -230,9 +231,22 @@ def set_up(args: argparse.Namespace, model_parallel: bool,
 
 
 def step_for(cfg: Config, script_step: type[EagerStep]) -> type[EagerStep]:
-    """The step variant this run needs, chosen once: a script's own (train_graph.py's, whose checks
-    refuse what it cannot run), else pipeline stages or DeepSpeed's engine when the configuration
-    asks for them (each imported only then), else the eager step."""
+    """The step variant this run needs, chosen once: freezing's (training/freezing.py, eager or with
+    pipeline stages) when the configuration freezes layers, else a script's own (train_graph.py's,
+    whose checks refuse what it cannot run), else pipeline stages or DeepSpeed's engine when the
+    configuration asks for them (each imported only then), else the eager step."""
+    if cfg.freeze_schedule != "none":
+        if script_step is not EagerStep:
+            raise ValueError(f"--freeze_schedule {cfg.freeze_schedule} changes which layers train as the "
+                             f"run goes, which this script's step does not follow; use train.py or "
+                             f"train_mp.py")
+        if cfg.pipeline_parallel > 1:
+            from training.repipelining import FreezingPipelineStep
+
+            return FreezingPipelineStep
+        from training.freezing import FreezingStep
+
+        return FreezingStep
     if script_step is not EagerStep:
         return script_step
     if cfg.pipeline_parallel > 1 and cfg.pipeline_schedule == "async_1f1b":
@@ -300,7 +314,7 @@ def main(step: type[EagerStep] = EagerStep, argv: list[str] | None = None, descr
         sys.stderr.flush()
         return exit_now(2)
     try:
-        code = train(trainer, cfg, ctx)
+        code = train(trainer, cfg, ctx, step)
     finally:
         if lock is not None:
             lock.release()
@@ -321,11 +335,16 @@ def lock_run_dir(ctx: RunContext) -> rundir.RunLock | None:
     return lock
 
 
-def train(trainer: Trainer, cfg: Config, ctx: RunContext) -> int:
-    """Fit; the exit status (0, 1 for a failure, 75 for a stop signal after the checkpoint)."""
+def train(trainer: Trainer, cfg: Config, ctx: RunContext, script_step: type[EagerStep] = EagerStep) -> int:
+    """Fit (in each layout the run asks for); the exit status (0, 1 for a failure, 75 for a stop
+    signal after the checkpoint)."""
     signals.install_handlers()
     try:
         trainer.fit()
+        while trainer.next_layout is not None:
+            trainer = in_next_layout(trainer, script_step)
+            gc.collect()  # the previous Trainer's model, optimizer and loaders (they refer to each other)
+            trainer.fit()
     except TrainingError as err:
         log.error("rank %d: %s", ctx.rank, err)
         return 1
@@ -345,6 +364,19 @@ def train(trainer: Trainer, cfg: Config, ctx: RunContext) -> int:
         log.info("TensorBoard logs are in %s; view them with: %s --logdir %s",
                  ctx.run_dir, tensorboard_command(), cfg.exp_path)
     return 0
+
+
+def in_next_layout(trainer: Trainer, script_step: type[EagerStep]) -> Trainer:
+    """The Trainer that continues ``trainer``'s run in the layout it asked for (training/freezing.py:
+    half the pipeline stages, twice the data-parallel ranks): new process groups over the same
+    ranks, the same run folder, resumed from the checkpoint the other one has just written."""
+    log.info("step %d: the run continues with %s, from a checkpoint", trainer.step,
+             ", ".join(f"{k} {v}" for k, v in trainer.next_layout.items()))
+    cfg = with_overrides(trainer.cfg, **trainer.next_layout)
+    mesh = meshes.build_mesh(meshes.requested_sizes(cfg.layout), cfg.parallel_order, trainer.device.type)
+    ctx = dataclasses.replace(trainer.ctx, mesh=mesh)
+    local_batch = local_batch_size(cfg.global_batch_size, ctx.dp_size, cfg.local_batch_size)
+    return Trainer(cfg, ctx, local_batch, step=step_for(cfg, script_step), callbacks=trainer.callbacks)
 
 
 def tensorboard_command(root: Path = REPO_ROOT) -> str:

@@ -91,11 +91,17 @@ class PipelineStep(EagerStep):
         def parallel_stage(stage: torch.nn.Module) -> torch.nn.Module:
             return parallelize(stage, mesh, t.device, cfg.layout, cfg.memory, cfg.optim, cfg.seed, values)
 
-        model = pipeline.build(serial, mesh, cfg.layout, t.device, parallel_stage, self.micro_batch_loss)
+        model = pipeline.build(serial, mesh, cfg.layout, t.device, parallel_stage, self.micro_batch_loss,
+                               **self.stage_layout())
         log.info("%s; this rank holds stages %s: %d of the model's %d parameters",
                  t.ctx.mesh.describe(), model.stage_ids, sum(p.numel() for p in model.parameters()),
                  t.n_params)
         return model
+
+    def stage_layout(self) -> dict[str, Any]:
+        """pipeline.build's ``ranges`` (each stage's blocks) and ``prefix`` (frozen first blocks),
+        when a variant chooses them (training/freezing.py); the even split otherwise."""
+        return {}
 
     def micro_batch_loss(self, pred: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         return self.trainer.loss_fn(pred.float(), tar)

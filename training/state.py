@@ -159,16 +159,17 @@ class ModelState:
             state = t.optimizer.state_dict()
             state["state"] = {i: {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) and v.dim() else v
                                   for k, v in s.items()} for i, s in state["state"].items()}
-            return state
+            return by_model_position(state, self.positions())
         from distributed import consolidate
 
         state = consolidate.full_optimizer_state(t.optimizer, t.ctx.mesh)
         if t.ctx.mesh.expert_parallel > 1:
             state = experts().full_optimizer_state(t.raw_model, t.ctx.mesh, state)
-        return state
+        return by_model_position(state, self.positions()) if state else state
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         t = self.trainer
+        state = by_optimizer_position(state, self.positions())
         if t.ctx.mesh.world_size == 1:
             t.optimizer.load_state_dict(state)
             return
@@ -177,6 +178,17 @@ class ModelState:
         if t.ctx.mesh.expert_parallel > 1:
             state = experts().local_optimizer_state(t.raw_model, state)
         consolidate.load_full_optimizer_state(t.optimizer, state, t.ctx.mesh)
+
+    def positions(self) -> list[int] | None:
+        """Where each of the optimizer's parameters is among the model's, when it holds fewer than
+        all of them (frozen ones left it: training/freezing.py); None when it holds them all."""
+        t = self.trainer
+        model = list(t.raw_model.parameters())
+        optimizer = [p for group in t.optimizer.param_groups for p in group["params"]]
+        if len(optimizer) == len(model):
+            return None
+        where = {id(p): i for i, p in enumerate(model)}
+        return [where[id(p)] for p in optimizer]
 
     def shards(self) -> dict[str, Any]:
         """FSDP: this rank's shards of the model and optimizer, for a sharded checkpoint."""
@@ -190,6 +202,27 @@ class ModelState:
         t = self.trainer
         checkpointing.keep_kernel_flags(t.optimizer,
                                         lambda: sharded.load_into(path, t.raw_model, t.optimizer))
+
+
+def by_model_position(state: dict[str, Any], positions: list[int] | None) -> dict[str, Any]:
+    """An optimizer's state dict keyed, as checkpoints key it, by each parameter's position in the
+    model (the same as its position in the optimizer while that holds every parameter)."""
+    if positions is None:
+        return state
+    (group,) = state["param_groups"]  # the project's optimizers have one group
+    return {"state": {positions[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**group, "params": [positions[i] for i in group["params"]]}]}
+
+
+def by_optimizer_position(state: dict[str, Any], positions: list[int] | None) -> dict[str, Any]:
+    """The reverse: a checkpoint's optimizer state for an optimizer that holds the parameters at
+    ``positions`` of the model (the state of the others, frozen since, is left out)."""
+    if positions is None:
+        return state
+    index = {model: i for i, model in enumerate(positions)}
+    (group,) = state["param_groups"]
+    return {"state": {index[j]: s for j, s in state["state"].items() if j in index},
+            "param_groups": [{**group, "params": list(range(len(positions)))}]}
 
 
 def experts() -> Any:

@@ -229,6 +229,13 @@ class EagerStep:
     def run_started(self) -> None:
         """The run directory is locked and training starts (DeepSpeed writes its config here)."""
 
+    def epoch_record(self) -> dict[str, Any]:  # keys of the epoch's metrics (training/freezing.py)
+        return {}
+
+    def next_layout(self) -> dict[str, Any] | None:
+        """Config values of the layout the next step needs, if not this one (training/freezing.py)."""
+        return None
+
     # the part of a checkpoint that holds the model and the optimizer: consolidated whole tensors
     # (training/state.py); a variant that holds them otherwise brings its own
     state_class: type[ModelState] = ModelState
@@ -283,6 +290,7 @@ class Trainer:
         self.writer: SummaryWriter | None = None
         self.stop_agreement = StopAgreement(self.device, cfg.stop_check_every)
         self.stopped_early = False  # a stop signal ended training before num_iters
+        self.next_layout: dict[str, Any] | None = None  # the layout the run continues in (launcher)
         self._steps_at_start = 0  # the step this process started from (set by fit)
         self.heartbeat = heartbeat()  # where this rank is, for the diagnosis of a hang
         if self.heartbeat is not None:
@@ -378,7 +386,8 @@ class Trainer:
         self.train_data.set_epoch(epoch, start_batch)
         done = 0
         for batch in self.train_data:  # (input, target): (B, C, H, W) each
-            if self.step >= self.cfg.num_iters:
+            self.next_layout = self.variant.next_layout()  # another: a checkpoint, the launcher moves on
+            if self.step >= self.cfg.num_iters or self.next_layout is not None:
                 break
             with self.watched(epoch, start_batch + done), dev.nvtx_range(f"step {self.step}"):
                 with dev.nvtx_range(f"data copy in {self.step}"):
@@ -486,6 +495,7 @@ class Trainer:
         self.moe_stats = []
         if experts is not None:  # per layer: each expert's share of the assignments, dropped, aux loss
             extra["moe"] = experts.mean(dim=0).tolist()
+        extra.update(self.variant.epoch_record())
         if self.ctx.mesh.world_size > 1:  # DDP's gradient all-reduce (compressed or not)
             from distributed.tags import gradient_bytes
 
@@ -532,12 +542,12 @@ class Trainer:
                  self.n_params, spe, spe * self.local_batch * self.ctx.dp_size, self.local_batch,
                  self.ctx.dp_size)
         val: dict[str, Any] = {}
-        while self.step < self.cfg.num_iters:
+        while self.step < self.cfg.num_iters and self.next_layout is None:
             epoch, start_batch = divmod(self.step, spe)
             dev.synchronize(self.device)
             start = time.time()
             steps = self.train_epoch(epoch, start_batch)
-            if not (self.stopped_early and not self.at_epoch_end()):  # a whole epoch: close it
+            if not ((self.stopped_early or self.next_layout) and not (steps and self.at_epoch_end())):
                 dev.synchronize(self.device)
                 seconds = time.time() - start
                 train_loss = self.finish_epoch_loss()
@@ -553,10 +563,11 @@ class Trainer:
             if self.checkpoint_due():  # a checkpoint on the epoch's last step, after validation
                 self.save_checkpoint()
         self.stop_agreement.drain()
-        if val or self.stopped_early or checkpointing.find(self.ctx.run_dir) is None:
+        if val or self.stopped_early or self.next_layout or checkpointing.find(self.ctx.run_dir) is None:
             self.save_checkpoint()
         if self.writer is not None:
             self.writer.close()
-        for callback in self.callbacks:
-            callback.fit_end(self)
+        if self.next_layout is None:  # (else the run goes on, in the launcher's next Trainer)
+            for callback in self.callbacks:
+                callback.fit_end(self)
         return val

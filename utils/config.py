@@ -25,6 +25,7 @@ from utils.config_groups import (  # noqa: F401 (the choices are read from here 
     DATA_LOADERS,
     DATA_PARALLEL,
     ENGINES,
+    FREEZE_SCHEDULES,
     GRAD_COMPRESSIONS,
     GROUPS,
     INTERLEAVED,
@@ -34,6 +35,7 @@ from utils.config_groups import (  # noqa: F401 (the choices are read from here 
     PIPELINE_SCHEDULES,
     WEIGHT_STASHING,
     DataConfig,
+    FreezingConfig,
     MemoryConfig,
     ModelConfig,
     OptimizerConfig,
@@ -47,10 +49,10 @@ DEFAULT_YAML = REPO_ROOT / "config" / "ViT.yaml"
 
 class Config:
     """One training configuration: its groups (utils/config_groups.py: ``cfg.model``, ``cfg.data``,
-    ``cfg.optim``, ``cfg.layout``, ``cfg.memory``, ``cfg.run``, ``cfg.profiling``), each validated
-    as it is built, then the checks that span groups (``check_across``). Every key also reads
-    flat (``cfg.lr`` is ``cfg.optim.lr``): flags and YAML keys are flat. Frozen: ``replace``
-    returns a new, validated Config."""
+    ``cfg.optim``, ``cfg.layout``, ``cfg.memory``, ``cfg.run``, ``cfg.profiling``, ``cfg.freeze``),
+    each validated as it is built, then the checks that span groups (``check_across``). Every key
+    also reads flat (``cfg.lr`` is ``cfg.optim.lr``): flags and YAML keys are flat. Frozen:
+    ``replace`` returns a new, validated Config."""
 
     __slots__ = tuple(GROUPS)
 
@@ -149,6 +151,47 @@ def check_across(cfg: Config) -> None:
         check_pipeline_fits(model, optim, layout, memory)
     if layout.pipeline_parallel > 1 and layout.pipeline_schedule == "async_1f1b":
         check_async_pipeline(model, optim, layout, memory)
+    if cfg.freeze.freeze_schedule != "none":
+        check_freezing(cfg)
+
+
+def check_freezing(cfg: Config) -> None:
+    """Freezing (training/freezing.py) changes which parameters train while the run goes: the
+    layouts whose gradients are reduced or split other than by DDP and pipeline stages keep
+    every parameter in their own bookkeeping, and are refused."""
+    freeze, model, layout = cfg.freeze, cfg.model, cfg.layout
+    if len(freeze.freeze_steps) > model.depth:
+        raise ValueError(f"--freeze_steps gives {len(freeze.freeze_steps)} steps for {model.depth} blocks: "
+                         f"give at most depth steps (the i-th freezes the i-th block)")
+    refused = [
+        (layout.tensor_parallel > 1 or layout.context_parallel > 1, "tensor or context parallelism"),
+        (layout.data_parallel != "ddp", f"--data_parallel {layout.data_parallel} (its shards and sharded "
+                                        f"optimizer keep every parameter: use ddp)"),
+        (layout.engine != "native", "--engine deepspeed"),
+        (model.num_experts > 0, "a mixture of experts"),
+        (layout.pipeline_parallel > 1 and layout.pipeline_schedule in INTERLEAVED,
+         f"the {layout.pipeline_schedule} schedule (several stages per rank: use gpipe or 1f1b)"),
+        (layout.pipeline_parallel > 1 and layout.pipeline_schedule == "async_1f1b",
+         "the async_1f1b schedule (its stages keep weight versions of every block: use gpipe or 1f1b)"),
+        (layout.pipeline_parallel > 1 and freeze.freeze_order == "random",
+         "--freeze_order random in a pipeline (its frozen blocks are not a prefix the first stage runs)"),
+        (freeze.freeze_schedule == "gradnorm" and cfg.optim.amp_mode == "fp16",
+         "--amp_mode fp16 (the gradnorm schedule's norms would be of the scaled gradients: use bf16)"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"--freeze_schedule {freeze.freeze_schedule} does not combine with {what} here")
+    pp = layout.pipeline_parallel
+    if pp > 1 and freeze.freeze_repipeline and (pp & (pp - 1) or cfg.optim.local_batch_size is not None):
+        raise ValueError("--freeze_repipeline halves the pipeline stages and doubles the data-parallel "
+                         "ranks as blocks freeze: --pipeline_parallel must be a power of two and the "
+                         "local batch follow the global one (no --local_batch_size)")
+    if not freeze.freeze_cache_mib:
+        return
+    if model.dropout > 0 or freeze.freeze_order == "random" or cfg.data.data_loader_config != "pytorch":
+        raise ValueError("--freeze_cache_mib keeps each sample's output of the frozen first blocks, which "
+                         "is exact only without dropout, with --freeze_order first and the pytorch loader "
+                         "(it names each batch's samples); set --freeze_cache_mib 0 or change those")
 
 
 def check_experts(model: ModelConfig, layout: ParallelConfig) -> None:
@@ -233,6 +276,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",
     "dp_shard", "cpu_offload", "engine", "zero_stage",
     "pipeline_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",
+    "freeze_cache_mib", "freeze_repipeline",
 })
 
 FIELDS = tuple(KEY_GROUP)

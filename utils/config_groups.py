@@ -29,6 +29,7 @@ ATTENTION_KERNELS = ("auto", "default", "flash", "efficient", "cudnn", "math")  
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "async_1f1b")
 WEIGHT_STASHING = ("none", "stash", "vertical", "2bw")  # async_1f1b: distributed/async_pipeline.py
 INTERLEAVED = ("interleaved_1f1b", "zero_bubble")  # schedules with several stages on each rank
+FREEZE_SCHEDULES = ("none", "formula", "steps", "gradnorm")  # training/freezing.py
 ADAM_BETAS = (0.9, 0.95)  # beta2 0.95, as the tutorial: steadier with large batches
 
 
@@ -81,6 +82,8 @@ def _type_ok(value: Any, hint: Any) -> bool:
         return value is None
     if origin is tuple:
         args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[int, ...]: any length
+            return isinstance(value, tuple) and all(_type_ok(v, args[0]) for v in value)
         return (isinstance(value, tuple) and len(value) == len(args)
                 and all(_type_ok(v, a) for v, a in zip(value, args)))
     if hint is float:
@@ -449,6 +452,49 @@ class MemoryConfig(Group):
 
 
 @dataclass(frozen=True)
+class FreezingConfig(Group):
+    """Freezing the embedding and the first blocks as training goes (training/freezing.py;
+    PipeTransformer): the schedule, the activation cache and the pipeline's re-cut."""
+
+    title: ClassVar[str] = "freezing"
+    freeze_schedule: str = key("none", "freeze the embedding and the first blocks as training goes: none, "
+                               "formula (after e epochs ceil(depth (1 - (1 - freeze_alpha)^e)) blocks), "
+                               "steps (--freeze_steps) or gradnorm (per block, the change of its "
+                               "gradients' L1 norm between intervals)", choices=FREEZE_SCHEDULES)
+    freeze_alpha: float = key(1 / 3, "formula: the share of the still active blocks frozen after each "
+                                     "epoch (1/3 conservative, 1/2 PipeTransformer's CIFAR-100 runs)")
+    freeze_every: int = key(0, "formula: steps per epoch of the formula; gradnorm: steps per interval "
+                               "(0: the data's epoch)")
+    freeze_steps: tuple[int, ...] = key((), "steps: the step (0-based) at which each further block "
+                                            "freezes: the i-th entry freezes block i (the first also "
+                                            "the embedding)")
+    freeze_order: str = key("first", "which blocks freeze: first (the earliest, in order) or random "
+                                     "(a control: as many blocks drawn from the seed)",
+                            choices=("first", "random"))
+    freeze_cache_mib: float = key(0.0, "memory for the frozen blocks' output per sample, kept for the "
+                                       "next epochs (0: no cache; samples beyond it are recomputed)")
+    freeze_repipeline: bool = key(True, "with pipeline stages: re-cut them as blocks freeze, and once "
+                                        "the active blocks fit on half the stages, continue on half "
+                                        "the stages with twice the data-parallel ranks")
+
+    def check(self) -> None:
+        steps = self.freeze_steps
+        if not 0.0 < self.freeze_alpha <= 1.0 or self.freeze_every < 0 or self.freeze_cache_mib < 0:
+            raise ValueError(f"config keys freeze_alpha (in (0, 1]), freeze_every and freeze_cache_mib (0 "
+                             f"or more) are {self.freeze_alpha}, {self.freeze_every} and "
+                             f"{self.freeze_cache_mib}")
+        if (self.freeze_schedule == "steps") != bool(steps):
+            raise ValueError("--freeze_steps (the step at which each further block freezes) goes with "
+                             "--freeze_schedule steps, and that schedule needs it: give both or neither")
+        if any(s < 0 for s in steps) or list(steps) != sorted(steps):
+            raise ValueError(f"--freeze_steps {' '.join(map(str, steps))}: give steps 0 or more, in "
+                             f"increasing order (the i-th freezes the i-th block)")
+        if self.freeze_schedule == "gradnorm" and self.freeze_order == "random":
+            raise ValueError("--freeze_schedule gradnorm does not combine with --freeze_order random here "
+                             "(the gradient test freezes the blocks before a moving one)")
+
+
+@dataclass(frozen=True)
 class RunConfig(Group):
     """Where a run writes, its seed, checkpoints and stop signals."""
 
@@ -491,7 +537,7 @@ class ProfilingConfig(Group):
 # attribute of Config -> its group
 GROUPS: dict[str, type[Group]] = {"model": ModelConfig, "data": DataConfig, "optim": OptimizerConfig,
                                   "layout": ParallelConfig, "memory": MemoryConfig, "run": RunConfig,
-                                  "profiling": ProfilingConfig}
+                                  "profiling": ProfilingConfig, "freeze": FreezingConfig}
 # every key -> the attribute of its group
 KEY_GROUP: dict[str, str] = {f.name: attr for attr, group in GROUPS.items()
                               for f in dataclasses.fields(group)}

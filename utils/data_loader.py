@@ -260,7 +260,8 @@ class Batches:
     """The PyTorch DataLoader behind the small interface the training loop needs.
 
     Other loaders (DALI) implement the same: ``set_epoch(epoch, start_batch)``,
-    iteration over (input, target) batches, and ``batches_per_epoch``.
+    iteration over (input, target) batches, and ``batches_per_epoch``. This one also says which
+    samples the batch it gave last holds (``last_indices``), for a cache keyed by sample.
     """
 
     def __init__(self, loader: DataLoader, sampler: ShardedSampler, pin_memory: bool = False) -> None:
@@ -269,12 +270,19 @@ class Batches:
         # without workers the batches are pinned here (get_data_loader leaves it to us): the
         # loader's own memory then goes back for the next batch as soon as it is copied
         self.pin_here = pin_memory and loader.num_workers == 0
+        self.last_indices: list[int] = []  # the dataset's sample indices of the last batch, in its rows
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.sampler.set_epoch(epoch, start_batch)
 
     def __iter__(self):
-        return self._pinned() if self.pin_here else iter(self.loader)
+        # the DataLoader cuts the sampler's order into batches of batch_size, in order (workers
+        # too hand them back in order): the i-th batch holds the i-th slice of that order
+        order, size = list(self.sampler), self.loader.batch_size
+        batches = self._pinned() if self.pin_here else iter(self.loader)
+        for i, batch in enumerate(batches):
+            self.last_indices = order[i * size:(i + 1) * size]
+            yield batch
 
     def _pinned(self):
         for inp, tar in self.loader:
