@@ -806,7 +806,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def checked_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], Config]:
+    """The command line, its rungs and the base config; a user mistake is one line."""
     args = parse_args(argv)
     names = [n.strip() for n in args.rungs.split(",") if n.strip()]
     unknown = set(names) - set(RUNG_NAMES)
@@ -832,39 +833,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             base = with_overrides(base, attention_kernel=args.attention_kernel)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    batch = base.global_batch_size
-    total = args.warmup + args.steps + args.profile_steps
-    ensure_data(base, max(256, (total + args.loader_batches + 2) * batch))
-    dev.set_cpu_threads(1)
-    device = dev.pick_device(0)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    opts = Options(args.steps, args.warmup, args.profile_steps, args.loader_batches, args.out_dir, device)
+    return args, names, base
 
-    flops = flops_per_sample(base, batch, device)
-    peaks = measure_peaks(device, args.amp, args.matmul_size)
-    shape_peaks = measure_shape_peaks(base, batch, device, args.amp, args.shape_seconds)
-    ceilings = {mode: p["flops_per_sec"] for mode, p in shape_peaks.items()}
-    kernels = attention_table(base, batch, device, args.amp)
+
+def climb(configs: list[tuple[str, Config]], base: Config, args: argparse.Namespace, opts: Options,
+          flops: float, peaks: dict, ceilings: dict) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each rung (``--rounds`` times, each followed by its bare loop; the medians): rungs, bare loops."""
     rungs, bare, loader_cache = [], [], {}
-    if "+graphs" in names and device.type != "cuda":
-        print("skipping +graphs: CUDA Graphs need a GPU", file=sys.stderr)
-    # every rung from +DALI on reads through DALI, whether +DALI itself is asked for or not
-    dali = not any(RUNG_NAMES.index(n) >= RUNG_NAMES.index("+DALI") for n in names) or dali_available()
-    if not dali:
-        print("skipping +DALI: NVIDIA DALI is not installed; the later rungs keep the PyTorch "
-              "DataLoader", file=sys.stderr)
-    configs = list(rung_configs(base, names, args.workers, args.amp, device.type == "cuda", dali))
     started = time.perf_counter()
     for i, (name, cfg) in enumerate(configs):
         print(f"rung {i + 1}/{len(configs)} {name} ...", file=sys.stderr, flush=True)
         rounds = []
         for _ in range(args.rounds):
-            rung = run_rung(name, cfg, opts, batch, flops, peaks, loader_cache, ceilings)
+            rung = run_rung(name, cfg, opts, base.global_batch_size, flops, peaks, loader_cache, ceilings)
             if "failed" in rung:  # it does not train: nothing to compare, nothing to repeat
                 break
             # right after the rung: the same state of the process and machine
             if not args.no_bare:
-                bare.append(bare_loop(base, batch, opts, flops, peaks, *bare_key(cfg)))
+                bare.append(bare_loop(base, base.global_batch_size, opts, flops, peaks, *bare_key(cfg)))
                 if "failed" not in bare[-1]:
                     rung["bare_samples_per_sec"] = bare[-1]["samples_per_sec"]
                     rung["vs_bare"] = rung["samples_per_sec"] / bare[-1]["samples_per_sec"]
@@ -878,6 +864,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = (f"FAILED: {rung['failed']}, not timed" if "failed" in rung
                   else f"{rung['samples_per_sec']:.2f} samples/s")
         print(f"  {result}{left}", file=sys.stderr, flush=True)
+    return rungs, bare
+
+
+def best_rung(rungs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fastest rung that trained and was compared with its bare loop."""
+    trained = [r for r in rungs if "vs_bare" in r]
+    if not trained:
+        return None
+    best = max(trained, key=lambda r: r["samples_per_sec"])
+    return {"name": best["name"], "samples_per_sec": best["samples_per_sec"],
+            "samples_per_sec_vs_bare": best["vs_bare"], "mfu": best["mfu"], "mfu_shapes": best["mfu_shapes"],
+            "dtype": dtype_name(best["settings"]["amp_mode"]),
+            "loader_ratio_to_raw": best["loader"]["ratio_to_raw"]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args, names, base = checked_args(argv)
+    batch = base.global_batch_size
+    total = args.warmup + args.steps + args.profile_steps
+    ensure_data(base, max(256, (total + args.loader_batches + 2) * batch))
+    dev.set_cpu_threads(1)
+    device = dev.pick_device(0)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    opts = Options(args.steps, args.warmup, args.profile_steps, args.loader_batches, args.out_dir, device)
+
+    flops = flops_per_sample(base, batch, device)
+    peaks = measure_peaks(device, args.amp, args.matmul_size)
+    shape_peaks = measure_shape_peaks(base, batch, device, args.amp, args.shape_seconds)
+    ceilings = {mode: p["flops_per_sec"] for mode, p in shape_peaks.items()}
+    kernels = attention_table(base, batch, device, args.amp)
+    if "+graphs" in names and device.type != "cuda":
+        print("skipping +graphs: CUDA Graphs need a GPU", file=sys.stderr)
+    # every rung from +DALI on reads through DALI, whether +DALI itself is asked for or not
+    dali = not any(RUNG_NAMES.index(n) >= RUNG_NAMES.index("+DALI") for n in names) or dali_available()
+    if not dali:
+        print("skipping +DALI: NVIDIA DALI is not installed; the later rungs keep the PyTorch "
+              "DataLoader", file=sys.stderr)
+    configs = list(rung_configs(base, names, args.workers, args.amp, device.type == "cuda", dali))
+    rungs, bare = climb(configs, base, args, opts, flops, peaks, ceilings)
     report: dict[str, Any] = {
         "config": args.config, "batch": batch, "steps": args.steps, "warmup": args.warmup,
         "rounds": args.rounds,
@@ -893,16 +918,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "attention": kernels, "attention_shape": list(attention.call_shape(base, batch)[0]),
         "rungs": rungs, "bare": bare,
     }
-    trained = [r for r in rungs if "vs_bare" in r]  # not failed, and compared with its bare loop
-    if trained:
-        best = max(trained, key=lambda r: r["samples_per_sec"])
-        report["best"] = {
-            "name": best["name"], "samples_per_sec": best["samples_per_sec"],
-            "samples_per_sec_vs_bare": best["vs_bare"],
-            "mfu": best["mfu"], "mfu_shapes": best["mfu_shapes"],
-            "dtype": dtype_name(best["settings"]["amp_mode"]),
-            "loader_ratio_to_raw": best["loader"]["ratio_to_raw"],
-        }
+    best = best_rung(rungs)
+    if best is not None:
+        report["best"] = best
     write_report(args.out_dir, "benchmark", markdown(report), report)
     print(markdown(report))
     return report

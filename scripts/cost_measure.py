@@ -192,6 +192,36 @@ def layer_products(tokens: int, k: int, n: int, dtype: torch.dtype,
     return (lambda: (x @ w.t(), g @ w, g.t() @ x)), 3 * 2 * tokens * k * n
 
 
+def seconds_per_call(fn: Callable[[], Any], device: torch.device, seconds: float, group: bool) -> float:
+    """``fn``'s time per call: as many calls as make about ``seconds`` (one, when the first alone
+    took longer: bf16 on a CPU without bf16 arithmetic, seconds for one large product); with a
+    process group, the same number on every rank, started together, timed until the last is done."""
+    import torch.distributed as dist
+
+    from utils import device as dev
+
+    start = time.perf_counter()
+    fn()
+    dev.synchronize(device)
+    runs, slow = 0, time.perf_counter() - start > seconds
+    start = time.perf_counter()
+    while not slow and time.perf_counter() - start < seconds / 5:
+        fn()
+        dev.synchronize(device)
+        runs += 1
+    calls = torch.tensor([max(1, 5 * runs)], device=device)
+    if group:  # the same number on every rank
+        dist.all_reduce(calls, op=dist.ReduceOp.MIN)
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(int(calls)):
+        fn()
+    dev.synchronize(device)
+    if group:
+        dist.barrier()
+    return (time.perf_counter() - start) / int(calls)
+
+
 def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
     """This rank's achieved matmul FLOP/s per dtype: "large", a 1024 x 1024 x 1024 product;
     "small", a small model's layer (2048 tokens of 128 features to 384), its three products as a
@@ -217,28 +247,7 @@ def compute_rates(seconds: float = 0.25) -> dict[str, Any]:
     dev.configure_matmul(device)
 
     def timed(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        dev.synchronize(device)
-        # how many calls make about `seconds`; one, when the first alone took longer (bf16 on a
-        # CPU without bf16 arithmetic: seconds for one large product)
-        runs, slow = 0, time.perf_counter() - start > seconds
-        start = time.perf_counter()
-        while not slow and time.perf_counter() - start < seconds / 5:
-            fn()
-            dev.synchronize(device)
-            runs += 1
-        calls = torch.tensor([max(1, 5 * runs)], device=device)
-        if group:  # the same number on every rank
-            dist.all_reduce(calls, op=dist.ReduceOp.MIN)
-            dist.barrier()
-        start = time.perf_counter()
-        for _ in range(int(calls)):
-            fn()
-        dev.synchronize(device)
-        if group:
-            dist.barrier()
-        return (time.perf_counter() - start) / int(calls)
+        return seconds_per_call(fn, device, seconds, group)
 
     from utils import attention
 

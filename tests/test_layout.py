@@ -128,6 +128,23 @@ def test_package_files_stay_small():
             assert n <= limit, f"{path.relative_to(REPO)} has {n} lines; split it"
 
 
+# a function a learner reads at one sitting (the tests' own helpers are not counted)
+MAX_FUNCTION_LINES = 75
+
+
+def test_functions_stay_short():
+    long = []
+    for path in tracked_python_files():
+        if path.relative_to(REPO).parts[0] == "tests":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, f"split these functions: {long}"
+
+
 def private_names(source: str) -> list[str]:
     """Underscored attributes read off anything but ``self``/``cls`` (``torch._C``,
     ``loader._iterator``, ``storage._new_shared``) and underscored names imported."""
