@@ -83,6 +83,8 @@ TESTS: dict[str, GpuTest] = {
         1, budget_s=25, defect="a train_graph.py checkpoint's tensor learning rate refused by Adam"),
     f"{FILE}::test_sharded_checkpoint_resumes": GpuTest(2, budget_s=30),
     f"{FILE}::test_compile_with_fsdp_and_tp": GpuTest(4, budget_s=75),
+    f"{FILE}::test_freezing_with_ddp_and_its_cache": GpuTest(2, budget_s=15),
+    f"{FILE}::test_asynchronous_pipeline_on_two_gpus": GpuTest(2, NO_SEND_RECV, budget_s=20),
     # ---- the defects' own GPU tests, beside their CPU tests ----
     "tests/test_communication.py::test_on_nccl_the_diagnosis_comes_before_nccls_watchdog": GpuTest(
         2, NCCL_ONLY, budget_s=20, defect="the hang diagnosis cut short by NCCL's watchdog"),
@@ -175,6 +177,11 @@ PARTS: tuple[Part, ...] = (
             "test_hsdp_with_memory_snapshot", "test_context_and_sequence_parallel")),
     Part("compile", "torch.compile'd blocks with FSDP x tensor parallelism on 4 ranks against one "
          "process", ("torch.compile with the parallel layouts",), _t("test_compile_with_fsdp_and_tp")),
+    Part("freezing", "part 12: blocks frozen during the run (out of the optimizer and DDP's all-reduce, "
+         "their output cached) on 2 ranks against one process", (),
+         _t("test_freezing_with_ddp_and_its_cache")),
+    Part("asynchronous", "part 13: the asynchronous 1F1B with weight stashing on 2 stages over NCCL, "
+         "against the same run on the CPU", (), _t("test_asynchronous_pipeline_on_two_gpus")),
     Part("defects", "the review's GPU defects, each on its own: the NCCL hang named in time, "
          "comm_overlap.py's GPU timeline, clipping offloaded shards on NCCL, one host sync per MoE layer, "
          "Python-only snapshot stacks, TF32 in the calibration", (),

@@ -546,3 +546,52 @@ def test_cost_model_calibrates_and_checks(setup, tmp_path, request, record_prope
         numbers[f"{r['layout']}_time_rel_diff"] = r["time_error"]
         numbers[f"{r['layout']}_memory_rel_diff"] = r["memory_error"]
     record_property("numbers", numbers)
+
+
+# ------------------------------------------------- parts 12 and 13: freezing, asynchronous ---
+# the embedding and block 0 freeze at step 2, block 1 at step 4; the cache keeps their output
+FREEZE = {"freeze_schedule": "steps", "freeze_cache_mib": 16.0, "lr_schedule": "constant"}
+FREEZE_STEPS = ["--freeze_steps", "2", "4"]
+
+
+def test_freezing_with_ddp_and_its_cache(setup, tmp_path, request, record_property):
+    """Part 12 on a GPU: blocks freeze during the run (out of the optimizer, out of DDP's
+    all-reduce, run without autograd, their output cached), on 2 ranks against one process with
+    the same freezing; both log the frozen blocks of each step."""
+    backend = where(request)
+    run = Jobs(tmp_path, request.node.name).run(
+        ("one", command("train.py", 1, flags(setup, tmp_path, "one", **FREEZE) + FREEZE_STEPS), job_env()),
+        ("dp2", command("train.py", 2, flags(setup, tmp_path, "dp2", **FREEZE) + FREEZE_STEPS
+                        + gpu_parts.backend_flags(backend)), job_env()))
+    ok(run["one"], "one process")
+    ok(run["dp2"], "2 ranks")
+    one, dp2 = metrics(run_folder(tmp_path, "one")), metrics(run_folder(tmp_path, "dp2"))
+    assert [m["frozen_blocks"] for m in dp2] == [m["frozen_blocks"] for m in one] == [[0, 0], [1, 1], [2, 2]]
+    numbers = compare(one, dp2, LOSS_RTOL)
+    record_property("numbers", {**numbers, "seconds": run["dp2"][2],
+                                "cache_hit_rate": dp2[-1].get("cache_hit_rate")})
+
+
+# SGD at a constant rate, one micro-batch per step: the asynchronous rule's own test setting
+ASYNC = {"pipeline_parallel": 2, "pipeline_schedule": "async_1f1b", "weight_stashing": "stash",
+         "num_microbatches": 1, "optimizer_type": "SGD", "momentum": 0.0, "lr": 0.05,
+         "lr_schedule": "constant", "checkpoint_every": 3}
+
+
+def test_asynchronous_pipeline_on_two_gpus(setup, tmp_path, request, record_property):
+    """Part 13 on GPUs: the asynchronous 1F1B with weight stashing on 2 stages over NCCL (each
+    pair of neighbours exchanges one group of messages per micro-batch; a checkpoint at step 3
+    drains the pipeline), against the same run on the CPU over gloo, whose rule the CPU suite
+    proves (tests/test_async_pipeline.py). Tolerance 1e-3: the two devices sum in other orders."""
+    where(request)
+    cpu_env = subprocess_env(fast_start=False)
+    run = Jobs(tmp_path, request.node.name).run(
+        ("gpu", command("train_mp.py", 2, flags(setup, tmp_path / "gpu", "async", **ASYNC)), job_env()),
+        ("cpu", command("train_mp.py", 2, flags(setup, tmp_path / "cpu", "async", **ASYNC)), cpu_env))
+    ok(run["gpu"], "2 GPUs")
+    ok(run["cpu"], "CPU reference")
+    gpu_folder = run_folder(tmp_path / "gpu", "async")
+    assert gpu_folder.parent.name.endswith("_pp2"), gpu_folder
+    assert "process group: nccl" in (gpu_folder / "out.log").read_text(), "the stages did not talk over NCCL"
+    numbers = compare(metrics(run_folder(tmp_path / "cpu", "async")), metrics(gpu_folder), 1e-3)
+    record_property("numbers", {**numbers, "seconds": run["gpu"][2]})
