@@ -92,6 +92,13 @@ class Faults(Callback):
             self.called: set[str] = set()
             sys.setprofile(project_calls(self.called))
 
+    fit_end_file = os.environ.get("DDP_TEST_FIT_END")
+
+    def fit_end(self, trainer) -> None:
+        if self.fit_end_file:  # a line per rank each time a run ends (tests/test_freezing.py)
+            with open(self.fit_end_file, "a") as f:
+                f.write(f"rank {RANK} step {trainer.step}\n")
+
     def step_end(self, trainer, loss: torch.Tensor) -> torch.Tensor | None:
         if len(self.trace) == 2 and trainer.step == int(self.trace[0]):
             sys.setprofile(None)

@@ -339,11 +339,14 @@ def test_a_pipeline_that_shrinks_logs_the_serial_losses(data_dir, test_yaml, tmp
     fp32 rounding (rtol 1e-5: the pipeline's micro-batch means and DDP's all-reduce sum in
     another order); the frozen blocks of each step are the same. The same command run again
     for 2 more steps (as a job resubmitted) builds its 2 stages, finds its checkpoint past
-    them and goes on at pp 1 x dp 2."""
+    them and goes on at pp 1 x dp 2. The callbacks' fit_end comes once, when the run is over."""
     ok(run(1, args(test_yaml, data_dir, tmp_path / "serial", **SHRINK, num_iters=8)))
     serial = metrics(run_dir(tmp_path / "serial", 1))
-    result = run(2, args(test_yaml, data_dir, tmp_path, pipeline_parallel=2, **SHRINK), timeout=240, **MP)
+    ends = tmp_path / "fit_end"  # callbacks hear of the run's end once, not at each layout change
+    result = run(2, args(test_yaml, data_dir, tmp_path, pipeline_parallel=2, **SHRINK), timeout=240, **MP,
+                 DDP_TEST_FIT_END=str(ends))
     ok(result)
+    assert sorted(ends.read_text().splitlines()) == ["rank 0 step 6", "rank 1 step 6"]
     log = result.stdout + result.stderr
     assert "step 2: the run continues with pipeline_parallel 2" in log
     assert "(frozen, without autograd: embedding + blocks 0-1) + block 2; stage 1" in log
