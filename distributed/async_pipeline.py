@@ -51,7 +51,6 @@ from torch import nn
 from torch.func import functional_call
 
 from distributed.pipeline import Pipeline
-from distributed.tags import unwrap
 from utils.config_groups import WEIGHT_STASHING, ParallelConfig
 
 Weights = dict[str, torch.Tensor]
@@ -357,14 +356,3 @@ class AsyncPipeline(Pipeline):
         """Every forward ("F") and backward ("B") this stage runs, numbered by micro-batch from
         the start of the run, as (kind, stage, micro-batch, start, end)."""
         self.engine.events = events
-
-
-def build(serial: Any, mesh: Any, layout: ParallelConfig, device: torch.device,
-          parallelize: Callable[[Any], nn.Module],
-          loss_fn: LossFn) -> AsyncPipeline:
-    """distributed/pipeline.py's stages, one per rank, run by :class:`AsyncPipeline`."""
-    from distributed import pipeline
-
-    model = pipeline.build(serial, mesh, layout, device, parallelize, loss_fn, kind=AsyncPipeline)
-    assert all(unwrap(c) is c for c in model.chunks)  # no DDP or FSDP wrapper: one rank per stage
-    return model

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from distributed import async_pipeline
-from distributed.parallelize import parallelize, serial_values
-from networks.vit import build_vit, count_parameters
+from distributed.tags import unwrap
 from training.context import RunContext
 from training.pipelined import PipelineState, PipelineStep
 from utils import device as dev
@@ -57,24 +56,18 @@ class AsyncPipelineStep(PipelineStep):
             raise ValueError(f"the async_1f1b schedule runs one pipeline here, not {ctx.mesh.dp_size} side "
                              f"by side; start as many ranks as --pipeline_parallel {cfg.pipeline_parallel}")
 
+    def stage_layout(self) -> dict[str, Any]:
+        """PipelineStep.build_model's stages, run by this module's schedule instead of torch's."""
+        return {"kind": async_pipeline.AsyncPipeline}
+
     def build_model(self) -> async_pipeline.AsyncPipeline:
-        t = self.trainer
-        with torch.device("meta"):  # each stage allocates only itself
-            serial = build_vit(t.cfg.model)
-        t.n_params = count_parameters(serial)
-        self.serial_names = [name for name, _ in serial.named_parameters()]
-        values = serial_values(serial, t.cfg.seed)
-        cfg, mesh = t.cfg, t.ctx.mesh
-
-        def parallel_stage(stage: torch.nn.Module) -> torch.nn.Module:
-            return parallelize(stage, mesh, t.device, cfg.layout, cfg.memory, cfg.optim, cfg.seed, values)
-
-        model = async_pipeline.build(serial, mesh, cfg.layout, t.device, parallel_stage,
-                                     self.micro_batch_loss)
+        model = super().build_model()
+        # one rank per stage: no DDP or FSDP wrapper (check refuses several pipelines side by side)
+        assert all(unwrap(c) is c for c in model.chunks)
         model.update = self.stage_update
         engine = model.engine
         log.info("asynchronous 1F1B, weight_stashing %s: stage %d keeps %d micro-batch(es) in flight "
-                 "beyond the newest", t.cfg.weight_stashing, engine.stage, engine.depth)
+                 "beyond the newest", self.trainer.cfg.weight_stashing, engine.stage, engine.depth)
         return model
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
