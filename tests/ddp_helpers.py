@@ -13,11 +13,12 @@ from tests.conftest import REPO, TEST_IMG, subprocess_env
 from utils.config import DEFAULT_YAML, load_config
 
 
-def write_test_yaml(path: Path) -> Path:
+def write_test_yaml(path: Path, depth: int = 2) -> Path:
     """A YAML file whose config `tiny` is the conftest test model (flags cannot change the
-    model): embed 32, depth 2, 4 heads, patch 4 on the 16 x 32 test grid."""
+    model): embed 32, ``depth`` blocks (4: pipelines of 2 x 2 stages), 4 heads, patch 4 on the
+    16 x 32 test grid."""
     values = load_config(DEFAULT_YAML, "tiny").to_dict()
-    values.update(img_size=list(TEST_IMG), patch_size=4, embed_dim=32, depth=2, num_heads=4, warmup=0)
+    values.update(img_size=list(TEST_IMG), patch_size=4, embed_dim=32, depth=depth, num_heads=4, warmup=0)
     with open(path, "w") as f:
         YAML().dump({"tiny": values}, f)
     return path

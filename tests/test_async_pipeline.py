@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ruamel.yaml import YAML
 from torch.func import functional_call
 
 from distributed.async_pipeline import StageEngine
@@ -266,11 +265,7 @@ STASHED = {"pipeline_parallel": 2, "pipeline_schedule": "async_1f1b", "weight_st
 
 @pytest.fixture(scope="module")
 def deep_yaml(tmp_path_factory) -> Path:
-    path = write_test_yaml(tmp_path_factory.mktemp("async_yaml") / "ViT.yaml")
-    values = YAML(typ="safe").load(path.read_text())
-    values["tiny"]["depth"] = 4
-    with open(path, "w") as f:
-        YAML().dump(values, f)
+    path = write_test_yaml(tmp_path_factory.mktemp("async_yaml") / "ViT.yaml", depth=4)
     return path
 
 

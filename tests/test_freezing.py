@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ruamel.yaml import YAML
 
 from distributed.pipeline import balanced_split
 from networks.vit import build_vit
@@ -310,11 +309,7 @@ COMMON = {"limit_nsamples_val": 33}
 @pytest.fixture(scope="module")
 def test_yaml(tmp_path_factory) -> Path:
     """The test model with 4 blocks (2 pipeline stages of 2 blocks)."""
-    path = write_test_yaml(tmp_path_factory.mktemp("freezing_yaml") / "ViT.yaml")
-    values = YAML(typ="safe").load(path.read_text())
-    values["tiny"]["depth"] = 4
-    with open(path, "w") as f:
-        YAML().dump(values, f)
+    path = write_test_yaml(tmp_path_factory.mktemp("freezing_yaml") / "ViT.yaml", depth=4)
     return path
 
 

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ruamel.yaml import YAML
 
 from tests import gpu_parts
 from tests.conftest import REPO, subprocess_env
@@ -204,11 +203,7 @@ def model_parameters(folder: Path) -> int:
 @pytest.fixture(scope="module")
 def setup(data_dir, tmp_path_factory) -> dict:
     """The YAML file of the test model with 4 blocks, and the data."""
-    path = write_test_yaml(tmp_path_factory.mktemp("gpu_yaml") / "ViT.yaml")
-    values = YAML(typ="safe").load(path.read_text())
-    values["tiny"]["depth"] = 4
-    with open(path, "w") as f:
-        YAML().dump(values, f)
+    path = write_test_yaml(tmp_path_factory.mktemp("gpu_yaml") / "ViT.yaml", depth=4)
     return {"yaml": path, "data_dir": data_dir}
 
 

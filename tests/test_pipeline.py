@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ruamel.yaml import YAML
 
 from distributed.pipeline import cut_stage, describe_split, rank_stages, split_blocks
 from networks.vit import build_vit
@@ -30,11 +29,7 @@ MP = {"DDP_TEST_MODEL_PARALLEL": "1"}  # the worker runs as train_mp.py
 @pytest.fixture(scope="module")
 def test_yaml(tmp_path_factory) -> Path:
     """The test model with 4 blocks, so that 4 stages (or 2 ranks x 2 interleaved) fit."""
-    path = write_test_yaml(tmp_path_factory.mktemp("pipeline_yaml") / "ViT.yaml")
-    values = YAML(typ="safe").load(path.read_text())
-    values["tiny"]["depth"] = 4
-    with open(path, "w") as f:
-        YAML().dump(values, f)
+    path = write_test_yaml(tmp_path_factory.mktemp("pipeline_yaml") / "ViT.yaml", depth=4)
     return path
 
 
