@@ -16,8 +16,9 @@ from tests.conftest import subprocess_env
 
 SCRIPT = """
 import os, signal, sys, time
-print("preloaded" if "torch" in sys.modules else "new interpreter", os.environ.get("FAST_START_REFUSED", ""),
-      flush=True)
+# one string, one write: two ranks share torchrun's stdout, unbuffered (print's pieces would interleave)
+origin = "preloaded" if "torch" in sys.modules else "new interpreter"
+print(f"{origin} {os.environ.get('FAST_START_REFUSED', '')}", flush=True)
 print("argv", sys.argv[1:], "cwd", os.getcwd(), "env", os.environ.get("FAST_START_TEST"), flush=True)
 torch = sys.modules.get("torch")  # a new interpreter does not import it: 3 s saved per run here
 print("path0", sys.path[0], "threads", torch.get_num_threads() if torch else None, flush=True)
