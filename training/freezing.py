@@ -80,6 +80,7 @@ class GradNormRule:
     def __init__(self) -> None:
         self.current: torch.Tensor | None = None
         self.previous: list[float] | None = None
+        self.history: list[list[float]] = []  # every interval's norms, in the checkpoint too
 
     def add(self, norms: torch.Tensor) -> None:
         self.current = norms if self.current is None else self.current + norms
@@ -88,16 +89,19 @@ class GradNormRule:
         """End of an interval: the blocks to freeze from now on (one host sync)."""
         now = self.current.tolist() if self.current is not None else None
         before, self.previous, self.current = self.previous, now, None
+        if now is not None:
+            self.history.append(now)
         return frozen if before is None or now is None else gradnorm_frozen(before, now, frozen)
 
     def state_dict(self) -> dict[str, Any]:
         current = self.current.tolist() if self.current is not None else None
-        return {"previous": self.previous, "current": current}
+        return {"previous": self.previous, "current": current, "history": self.history}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         self.previous = state["previous"]
         current = state["current"]
         self.current = None if current is None else torch.tensor(current, device=device)
+        self.history = list(state.get("history", []))  # (older checkpoints have none)
 
 
 def freeze_order(cfg: Config) -> list[int]:
