@@ -345,6 +345,13 @@ def train(trainer: Trainer, cfg: Config, ctx: RunContext, script_step: type[Eage
             trainer = in_next_layout(trainer, script_step)
             gc.collect()  # the previous Trainer's model, optimizer and loaders (they refer to each other)
             trainer.fit()
+        if trainer.stopped_early:  # every rank waits until rank 0 has written the checkpoint
+            if dist.is_initialized():
+                dist.barrier()
+            # by now a signal sent to every task (Slurm's scancel --signal) has reached this rank
+            # too, even where another rank's reached the stop agreement first
+            log.warning("stopped with the checkpoint of step %d; the stop signal reached this rank: %s",
+                        trainer.step, signals.received() or "no")
     except TrainingError as err:
         log.error("rank %d: %s", ctx.rank, err)
         return 1
@@ -356,9 +363,7 @@ def train(trainer: Trainer, cfg: Config, ctx: RunContext, script_step: type[Eage
         return 1
     finally:
         signals.restore_handlers()
-    if trainer.stopped_early:  # every rank waits until rank 0 has written the checkpoint
-        if dist.is_initialized():
-            dist.barrier()
+    if trainer.stopped_early:
         return signals.EXIT_STOPPED
     if ctx.is_main:
         log.info("TensorBoard logs are in %s; view them with: %s --logdir %s",
