@@ -38,14 +38,6 @@ from distributed.shards import is_sharded, local
 from distributed.tags import spec
 
 
-def _group_device(mesh: ParallelMesh, fallback: torch.device) -> torch.device:
-    """Where the mesh's collectives run: its device type ("cuda": this rank's GPU, NCCL's)."""
-    if mesh.device_mesh is None:
-        return fallback
-    kind = mesh.device_mesh.device_type
-    return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
-
-
 def _sum_over(t: torch.Tensor, group: object, device: torch.device) -> torch.Tensor:
     """``t`` summed over ``group``'s ranks, on ``device`` (a host tensor is copied there first)."""
     t = t.to(device)
@@ -58,7 +50,7 @@ def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh) -> torch.Te
     the device of the mesh's process groups (of the gradients without one)."""
     grads = [p for p in params if p.grad is not None]
     device = local(grads[0].grad).device if grads else torch.device("cpu")
-    on = _group_device(mesh, device)
+    on = mesh.collective_device(device)
     split, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
     experts = torch.zeros((), device=device)
     for p in grads:

@@ -139,11 +139,20 @@ def init_distributed(env: DistEnv, device: torch.device, collective_timeout_s: f
         device_id=device if backend == "nccl" else None,  # NCCL: this rank's GPU, bound at once
     )
     log.info("process group: %s, world size %d", backend, env.world_size)
-    global _heartbeat
+    global _heartbeat, _group_timeout
+    _group_timeout = datetime.timedelta(seconds=limits.process_group_s)
     _heartbeat = health.start(env.master_addr, env.master_port, env.rank, env.world_size, limits)
 
 
 _heartbeat = None  # this rank's distributed.health.Heartbeat, once the process group is up
+_group_timeout: datetime.timedelta | None = None  # the default group's, once it is up
+
+
+def group_timeout() -> datetime.timedelta | None:
+    """The timeout of the default process group, for every group made after it (None before
+    init_distributed: torch's default). A group made by ``new_group`` or a DeviceMesh does not
+    inherit the default group's: it waits torch's default, 10 min on NCCL and 30 on gloo."""
+    return _group_timeout
 
 
 def heartbeat():

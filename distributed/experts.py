@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed.mappings import all_to_all
-from distributed.mesh import ParallelMesh, check_expert_parallel, expert_layouts, gather_placement
+from distributed.mesh import ParallelMesh, check_expert_parallel, expert_layouts, gather_placement, new_groups
 from distributed.tags import spec, tag
 from networks.moe import MoEMLP, assignment_shares
 
@@ -45,10 +45,7 @@ def add_expert_groups(mesh: ParallelMesh, ep: int) -> None:
     every rank creates every group, in the same order."""
     check_expert_parallel(mesh.dp_size, ep)
     for name, groups in expert_layouts(mesh.world_size, mesh.sizes, "-".join(mesh.sizes), ep).items():
-        for members in groups:
-            group = dist.new_group(members)
-            if mesh.rank in members:
-                mesh.groups[name] = group
+        mesh.groups[name] = new_groups(groups)
     mesh.expert_parallel = ep
     mesh.coords["ep"] = mesh.dp_rank % ep
     everyone = gather_placement(mesh, ["ep", "ep_replicas"])

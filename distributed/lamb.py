@@ -43,6 +43,8 @@ def split_sum_squares(mesh: ParallelMesh) -> SumSquares:
     (tensor-parallel slices over tp; FSDP's shards over the dp dimensions that shard them)."""
     def sum_squares(params: list[torch.Tensor], parts: list[torch.Tensor]) -> torch.Tensor:
         sq = local_sum_squares(params, parts)
+        home = sq.device  # the host for --cpu_offload's shards, whose groups are on the GPU (NCCL)
+        sq = sq.to(mesh.collective_device(home))
         if mesh.size("tp") > 1:
             split = torch.tensor([spec(p).shard_dim is not None for p in params], device=sq.device)
             over_tp = torch.where(split, sq, torch.zeros_like(sq))
@@ -53,7 +55,7 @@ def split_sum_squares(mesh: ParallelMesh) -> SumSquares:
             for i, placement in enumerate(sharded.placements):
                 if placement.is_shard():
                     dist.all_reduce(sq, group=sharded.device_mesh.get_group(i))
-        return sq
+        return sq.to(home)
 
     return sum_squares
 

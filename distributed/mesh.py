@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distributed.env import group_timeout
 from utils.config_groups import MemoryConfig, ModelConfig, ParallelConfig
 from utils.device import node_name
 
@@ -241,6 +242,15 @@ class ParallelMesh:
     def world_size(self) -> int:
         return math.prod(self.sizes.values())
 
+    def collective_device(self, fallback: torch.device) -> torch.device:
+        """Where the mesh's collectives run: its device type ("cuda": this rank's GPU, NCCL's, which
+        refuses a host tensor); ``fallback`` for one process. FSDP's CPU offload keeps shards and
+        their gradients in host memory: a sum over ranks moves them here first."""
+        if self.device_mesh is None:
+            return fallback
+        kind = self.device_mesh.device_type
+        return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
     def layout_name(self) -> str:
         """For run directories: '2GPU_tp2_cp1_dp1' (tp, cp, dp; pp only when it is larger than 1,
         so the names of runs without a pipeline stay as they were: '4GPU_tp1_cp1_dp2_pp2')."""
@@ -250,6 +260,31 @@ class ParallelMesh:
     def describe(self) -> str:
         parts = ", ".join(f"{n} {self.rank_in(n)}/{self.size(n)}" for n in self.sizes)
         return f"rank {self.rank}: {parts} (order {'-'.join(self.sizes)})"
+
+
+def new_groups(members: list[list[int]]) -> Any:
+    """One process group per list of ranks, each with the run's collective timeout; returns this
+    rank's group (None where it is in none). Collective: every rank creates every group, in the
+    same order."""
+    mine = None
+    for ranks in members:
+        group = dist.new_group(ranks, timeout=group_timeout())
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def device_mesh(device_type: str, ranks: torch.Tensor, names: tuple[str, ...]) -> Any:
+    """A DeviceMesh over ``ranks`` (one axis per name) built from groups made by :func:`new_groups`:
+    a DeviceMesh that makes its own groups gives them torch's default timeout, so a stuck tp or
+    dp collective would wait 10 min (NCCL) or 30 (gloo) whatever --collective_timeout_s says.
+    Collective."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # axis i's groups: the rows of the grid once axis i is moved last
+    groups = [new_groups(ranks.movedim(i, -1).reshape(-1, ranks.size(i)).tolist())
+              for i in range(ranks.dim())]
+    return DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=names)
 
 
 def build_mesh(sizes: dict[str, int], order: str = "tp-cp-dp", device_type: str = "cpu") -> ParallelMesh:
@@ -264,10 +299,8 @@ def build_mesh(sizes: dict[str, int], order: str = "tp-cp-dp", device_type: str 
     coords = {n: (rank // strides[n]) % full[n] for n in full}
     mesh = ParallelMesh(sizes=full, rank=rank, coords=coords)
     if dist.is_initialized():
-        from torch.distributed.device_mesh import DeviceMesh
-
         names = tuple(reversed(list(full)))
-        mesh.device_mesh = DeviceMesh(device_type, mesh_ranks(full), mesh_dim_names=names)
+        mesh.device_mesh = device_mesh(device_type, mesh_ranks(full), names)
         mesh.groups = {n: mesh.device_mesh.get_group(n) for n in full}
         log_placement(mesh)
     else:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed.mesh import ParallelMesh, hsdp_layouts, hsdp_shard
+from distributed.mesh import ParallelMesh, device_mesh, hsdp_layouts, hsdp_shard
 from distributed.tags import spec
 from utils import compat
 from utils import device as dev
@@ -78,11 +78,9 @@ def hsdp_mesh(mesh: ParallelMesh, layout: ParallelConfig) -> Any:
     default the ranks of one node, where links are fast) shards the model as FSDP does; the rows
     hold the same shards and average their gradients with an all-reduce across nodes, which
     sends each gradient once per step instead of gathering weights over the slow network."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     shard = hsdp_shard(layout, mesh.dp_size, int(os.environ.get("LOCAL_WORLD_SIZE", mesh.dp_size)))
     ranks = torch.tensor(hsdp_layouts(dist.get_world_size(), shard)["dp_shard"])  # dp alone here
-    return DeviceMesh(mesh.device_mesh.device_type, ranks, mesh_dim_names=("dp_replicate", "dp_shard"))
+    return device_mesh(mesh.device_mesh.device_type, ranks, ("dp_replicate", "dp_shard"))
 
 
 def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], options: dict[str, Any],

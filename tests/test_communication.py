@@ -6,6 +6,8 @@ the course check, tests/test_readme.py.)"""
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from types import SimpleNamespace
 
@@ -346,3 +348,64 @@ def test_the_overlap_timeline_times_the_gpus_work_not_its_launches():
     begin, end = timeline.spans["forward"]
     assert wall > 5 * queued, (wall, queued)  # the GPU's work outlasts its queueing
     assert end - begin > 0.8 * wall and total >= end, (timeline.spans, total, wall)
+
+
+def _groups_that_wait(rank: int, port: int, timeout_s: float) -> None:
+    """Two gloo ranks joined through distributed/env.py make the groups a run makes after the
+    default one (the mesh's tp, the experts' ep, HSDP's dp_shard); rank 1 then joins none of their
+    collectives, and rank 0 prints how long each waited before it gave up."""
+    import contextlib
+    import sys
+
+    import torch.distributed as dist
+
+    from distributed import env
+    from distributed.experts import add_expert_groups
+    from distributed.mesh import build_mesh
+    from distributed.sharding import hsdp_mesh
+    from utils.config_groups import ParallelConfig
+
+    where = env.DistEnv(rank, rank, 2, 2, "127.0.0.1", port)
+    env.init_distributed(where, torch.device("cpu"), timeout_s, 60.0)
+    tp = build_mesh({"tp": 2})
+    dp = build_mesh({})
+    add_expert_groups(dp, 2)
+    shard = hsdp_mesh(dp, ParallelConfig(data_parallel="hsdp", dp_shard=2))
+    groups = {"tp": tp.group("tp"), "dp": dp.group("dp"), "ep": dp.group("ep"),
+              "dp_shard": shard.get_group("dp_shard")}
+    if rank == 1:
+        time.sleep(120)
+    for name, group in groups.items():
+        start = time.monotonic()
+        with contextlib.suppress(Exception):  # gloo's "Timed out waiting ... ms"
+            dist.all_reduce(torch.ones(1), group=group)
+        print(f"{name} waited {time.monotonic() - start:.1f} s", flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+@pytest.mark.timeout(120)
+def test_every_group_a_run_makes_has_the_runs_timeout():
+    """The groups made after the default one (a DeviceMesh's dimensions, new_group for the experts)
+    take torch's default timeout, 30 min on gloo and 10 on NCCL, unless they are given the run's:
+    a stuck tp collective would outlast --collective_timeout_s and the heartbeat's diagnosis."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, subprocess_env
+    from tests.slurm_harness import free_port
+
+    port, timeout_s = free_port(), 2.0
+    code = "from tests.test_communication import _groups_that_wait; _groups_that_wait({}, {}, {})"
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(rank, port, timeout_s)], cwd=REPO,
+                              env=subprocess_env(PYTHONUNBUFFERED="1"), text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for rank in (0, 1)]
+    try:
+        out, _ = procs[0].communicate(timeout=90)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    waited = dict(re.findall(r"^(\w+) waited ([\d.]+) s$", out, re.M))
+    assert set(waited) == {"tp", "dp", "ep", "dp_shard"}, out[-3000:]
+    assert all(timeout_s <= float(s) < timeout_s + 5 for s in waited.values()), waited

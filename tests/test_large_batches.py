@@ -130,6 +130,40 @@ def test_lamb_norms_of_split_tensors_are_the_whole_tensors():
     run_ranks(2, _norms_of_split_tensors)
 
 
+def test_lamb_sums_offloaded_norms_on_the_groups_device(monkeypatch):
+    """FSDP's CPU offload keeps the shards in host memory while the groups are NCCL's, which has no
+    backend for a host tensor. Faked on a CPU as in test_clipping.py: fake tensors, groups that
+    refuse anything but "cuda"; the squared norms go to the groups' device and come back."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from distributed import lamb
+    from distributed.mesh import ParallelMesh
+    from distributed.tags import tag
+
+    seen = []
+
+    def nccl_only_all_reduce(t, group=None):
+        if t.device.type != "cuda":
+            raise RuntimeError(f"No backend type associated with device type {t.device.type}")
+        seen.append(group)
+
+    monkeypatch.setattr(lamb.dist, "all_reduce", nccl_only_all_reduce)
+    monkeypatch.setattr(lamb, "is_sharded", lambda p: hasattr(p, "placements"))  # FSDP's DTensors
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    mesh = ParallelMesh(sizes={"tp": 2, "cp": 1, "dp": 2}, groups={"tp": "tp", "dp": "dp"},
+                        device_mesh=SimpleNamespace(device_type="cuda"))
+    with FakeTensorMode():
+        params = [tag(torch.nn.Parameter(torch.ones(4, 3)), shard_dim=0), torch.nn.Parameter(torch.ones(3))]
+        for p in params:
+            p.placements = [SimpleNamespace(is_shard=lambda: True)]
+            p.device_mesh = SimpleNamespace(get_group=lambda i: "dp")
+        sq = lamb.split_sum_squares(mesh)(params, [p.detach() for p in params])
+        assert sq.device.type == "cpu"
+    assert seen == ["tp", "dp"]
+
+
 def test_the_range_test_stops_at_divergence_and_suggests_a_tenth(data_dir, tmp_path, capsys):
     """The rate grows from 1e-5 to 10 over 40 steps; the tiny test model diverges before the end,
     and the suggestion is a tenth of the rate at the lowest smoothed loss."""
