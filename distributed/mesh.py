@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from distributed.env import group_timeout
 from utils.config_groups import MemoryConfig, ModelConfig, ParallelConfig
-from utils.device import node_name
+from utils.device import node_name, this_rank_device
 
 log = logging.getLogger(__name__)
 
@@ -248,8 +248,7 @@ class ParallelMesh:
         their gradients in host memory: a sum over ranks moves them here first."""
         if self.device_mesh is None:
             return fallback
-        kind = self.device_mesh.device_type
-        return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+        return this_rank_device(self.device_mesh.device_type)
 
     def layout_name(self) -> str:
         """For run directories: '2GPU_tp2_cp1_dp1' (tp, cp, dp; pp only when it is larger than 1,

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from utils.device import this_rank_device
+
 
 def is_sharded(t: Any) -> bool:
     """Whether ``t`` is a DTensor (an FSDP parameter or one of its optimizer states). A DTensor
@@ -26,8 +28,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole of ``t`` (collective over the ranks that shard it, else ``t`` itself)."""
-    return t.full_tensor() if is_sharded(t) else t
+    """The whole of ``t`` (collective over the ranks that shard it, else ``t`` itself), where its
+    shard is. FSDP's CPU offload keeps shards in host memory while the mesh's groups are NCCL's,
+    which gathers device tensors only: such a shard is gathered on the mesh's device."""
+    if not is_sharded(t):
+        return t
+    shard, kind = t.to_local(), t.device_mesh.device_type
+    if shard.device.type == kind:
+        return t.full_tensor()
+    from torch.distributed.tensor import DTensor
+
+    moved = DTensor.from_local(shard.to(this_rank_device(kind)), t.device_mesh, t.placements, run_check=False,
+                               shape=t.shape, stride=t.stride())
+    return moved.full_tensor().to(shard.device)
 
 
 def shard_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,43 @@ def test_offloaded_gradients_are_summed_on_the_groups_device(monkeypatch):
     assert seen == ["tp", "pp"]
 
 
+def test_offloaded_shards_are_gathered_on_the_groups_device(monkeypatch):
+    """A consolidated checkpoint gathers every FSDP shard (shards.full): offloaded, a shard is in
+    host memory and NCCL would refuse it. Faked as above: a DTensor stand-in whose mesh is on
+    "cuda" and whose gather refuses anything else; the whole tensor comes back to the host."""
+    from types import SimpleNamespace
+
+    import torch.distributed.tensor as dtensor
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from distributed import shards
+
+    class Offloaded:  # what shards.full reads of FSDP's DTensor
+        def __init__(self, shard: torch.Tensor) -> None:
+            self.shard, self.shape, self.placements = shard, shard.shape, ("Shard(0)",)
+            self.device_mesh = SimpleNamespace(device_type="cuda")
+
+        def to_local(self) -> torch.Tensor:
+            return self.shard
+
+        def stride(self) -> tuple[int, ...]:
+            return self.shard.stride()
+
+        def full_tensor(self) -> torch.Tensor:
+            raise RuntimeError("No backend type associated with device type cpu")
+
+    def from_local(local, mesh, placements, **kwargs):
+        assert local.device.type == "cuda", local.device
+        return SimpleNamespace(full_tensor=lambda: torch.cat([local, local]))
+
+    monkeypatch.setattr(shards, "is_sharded", lambda t: isinstance(t, Offloaded))
+    monkeypatch.setattr(dtensor.DTensor, "from_local", staticmethod(from_local))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with FakeTensorMode():
+        whole = shards.full(Offloaded(torch.ones(2, 3)))
+        assert whole.shape == (4, 3) and whole.device.type == "cpu"
+
+
 def _offload_on_nccl() -> None:
     """One NCCL rank (a GPU), FSDP with CPU offload: the gradient shards sit in pinned host memory
     while the groups are NCCL's. Clipping gives torch's norm and clipped gradients; the memory
@@ -121,6 +158,7 @@ def _offload_on_nccl() -> None:
     from distributed.clipping import clip_grad_norm
     from distributed.mesh import build_mesh
     from distributed.sharding import apply_fsdp, local
+    from distributed.shards import full
     from networks.vit import build_vit
     from tests.conftest import make_cfg
     from training.reporting import memory_report
@@ -145,6 +183,8 @@ def _offload_on_nccl() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     for p, q in zip(model.parameters(), serial.parameters()):  # clipped alike
         torch.testing.assert_close(local(p.grad).to(cuda).view_as(q.grad), q.grad, rtol=1e-5, atol=1e-7)
+    for p, q in zip(model.parameters(), serial.parameters()):  # a consolidated checkpoint's gather
+        torch.testing.assert_close(full(p).to(cuda), q.detach(), rtol=0, atol=0)
     report = memory_report(model, torch.optim.Adam(model.parameters()), cuda)
     assert report["parameters_MiB"] == 0 and report["host_parameters_MiB"] > 0, report
     dist.destroy_process_group()

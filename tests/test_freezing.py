@@ -223,6 +223,30 @@ def test_random_blocks_freeze_in_the_drawn_order_and_keep_their_bits(cfg_factory
     assert not torch.equal(active, before)  # an active block before a frozen one trained
 
 
+def _block_norms_under_ddp() -> None:
+    from types import SimpleNamespace
+
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from training.freezing import Freezing
+
+    model = nn.Module()
+    model.blocks = nn.ModuleDict({"0": nn.Linear(2, 2), "1": nn.Linear(2, 2)})
+    model.blocks["1"](model.blocks["0"](torch.ones(1, 2))).sum().backward()
+    trainer = SimpleNamespace(cfg=SimpleNamespace(depth=2), device=torch.device("cpu"),
+                              model=DistributedDataParallel(model))
+    norms = Freezing.block_norms(SimpleNamespace(trainer=trainer))
+    assert (norms > 0).all(), norms
+
+
+@pytest.mark.timeout(120)
+def test_the_gradient_rule_reads_the_blocks_under_ddp():
+    """DDP's parameter names start with "module.": the rule reads the model inside it, or every
+    block's norm is 0 and nothing ever freezes."""
+    run_ranks(1, _block_norms_under_ddp)
+
+
 # -------------------------------- what a frozen parameter keeps and leaves (2 ranks) ---
 def _frozen_on_ranks(cfg, run_dir_path: Path, out_dir: Path) -> None:
     """DDP on 2 ranks, block 0 and the embedding frozen at step 1, block 1 at step 2: per step,

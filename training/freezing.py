@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed.env import all_reduce_max
+from distributed.tags import unwrap
 from training import checkpointing
 from training.state import ModelState
 from training.trainer import EagerStep
@@ -346,7 +347,7 @@ class Freezing:
         """Per block, the L1 norm of its gradients this step (the blocks this rank holds)."""
         t = self.trainer
         norms = torch.zeros(t.cfg.depth, device=t.device)
-        for name, p in t.model.named_parameters():
+        for name, p in unwrap(t.model).named_parameters():  # DDP's names start with "module."
             if p.grad is not None and name.startswith("blocks."):
                 norms[int(name.split(".")[1])] += p.grad.detach().abs().sum().float()
         return norms

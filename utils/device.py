@@ -75,6 +75,12 @@ def pick_device(local_rank: int = 0, local_world_size: int = 1,
     return torch.device("cuda", local_rank)
 
 
+def this_rank_device(kind: str) -> torch.device:
+    """This process's device of type ``kind`` ("cuda": its current GPU), where a process group of
+    that device type runs its collectives."""
+    return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
 def backend_for(device: torch.device, choice: str = "auto") -> str:
     """The process-group backend: NCCL on GPUs, gloo on CPUs, unless ``choice`` names one."""
     if choice == "auto":
