@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed-stamp
 DATA   := data/synthetic
 CONFIG ?= tiny
 
-.PHONY: venv data train test test-compat test-newest compat-env lint clean-logs exercise gpu-check deepspeed
+.PHONY: venv data train test test-compat test-newest compat-env lint clean-logs exercise gpu-check gpu-wheels \
+	gpu-check-deps deepspeed
 
 venv: $(STAMP)
 
@@ -80,6 +81,18 @@ test-newest:
 # that is there: the container's on a GPU node (make gpu-check PYTHON=python), .venv's once activated
 gpu-check:
 	$(PYTHON) scripts/gpu_check.py $(ARGS)
+
+# a GPU machine without a package index: `make gpu-wheels` on a machine with one downloads the check's
+# pure-Python packages (requirements-gpu-check.txt) into logs/gpu-wheels/; copy the clone over, then
+# `make gpu-check-deps PYTHON=python3` there installs them from that folder (PIP_FLAGS=--user if the
+# python's own folders are read-only)
+GPU_WHEELS := logs/gpu-wheels
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --implementation py --abi none \
+		--platform any --python-version 3.10 --dest $(GPU_WHEELS) -r requirements-gpu-check.txt
+
+gpu-check-deps:
+	$(PYTHON) -m pip install --no-index --no-deps --find-links $(GPU_WHEELS) $(PIP_FLAGS) -r requirements-gpu-check.txt
 
 clean-logs:
 	rm -rf logs

@@ -66,16 +66,33 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from tests.gpu_parts import NOT_RUN  # noqa: E402 (standard library only, like this script's start)
+
 log = logging.getLogger("gpu_check")
 
 CHECKS = ("tests", "data", "train_vs_graph", "dali", "ladder")
+# what each check imports beyond torch (module: the package that brings it). A GPU image may have
+# only torch, h5py and tensorboard: a check that lacks one of these is skipped, naming it, and the
+# others run (docs/gpu-check.md: `make gpu-wheels` and `make gpu-check-deps` bring the pure-Python
+# ones to a machine without a package index). DALI is optional inside its checks (dali_status).
+PROJECT = {"ruamel.yaml": "ruamel.yaml", "h5py": "h5py"}  # the configuration and the data
+NEEDS: dict[str, dict[str, str]] = {
+    "tests": {"pytest": "pytest", "pytest_timeout": "pytest-timeout", **PROJECT},
+    "data": PROJECT, "train_vs_graph": PROJECT, "dali": PROJECT, "ladder": PROJECT,
+}
+HOW_TO_GET = "make gpu-wheels and make gpu-check-deps: docs/gpu-check.md"
+# what parts of the check use where present (module: package); the report names the missing ones
+OPTIONAL = {"ruamel.yaml": "ruamel.yaml", "pytest": "pytest", "pytest_timeout": "pytest-timeout",
+            "xdist": "pytest-xdist", "nvidia.dali": "DALI", "deepspeed": "DeepSpeed",
+            "matplotlib": "matplotlib"}
 NEEDS_DATA = ("train_vs_graph", "dali", "ladder")
-# each check's share of the default budget, in seconds (estimates; docs/02-optimizations.md says
-# how they were made): the tests, about 400 s of jobs on one GPU by tests/gpu_parts.py's estimates,
-# on 2 pytest workers; generating 68 samples of 360 x 720 (51 s on a 2-core Intel Xeon); 2 x 24
-# steps of `short` with 12 validations each; 11 DALI batches; 7 rungs of about 12 s (process,
-# loader workers, 15 steps) and torch.compile's first compile of `short` (about a minute)
-SHARES_S = {"tests": 320, "data": 70, "train_vs_graph": 60, "dali": 30, "ladder": 120}
+# each check's share of the default budget, in seconds (estimates: no GPU has run this check): the
+# tests, about 490 s of jobs on one GPU in one pytest worker by tests/gpu_parts.py's estimates (about
+# half that on 2 workers, with pytest-xdist); 36 samples of 360 x 720 (about 0.75 s each on one CPU
+# core); 2 x 12 steps of `short` with 12 validations each; 11 DALI batches; the ladder's rungs (about 10 s
+# each, torch.compile's first compile of `short` about a minute) get what the checks before leave
+# them, and the rungs past the end are reported "not run: out of time"
+SHARES_S = {"tests": 490, "data": 25, "train_vs_graph": 30, "dali": 15, "ladder": 40}
 BUDGET_S = sum(SHARES_S.values())
 CONFIG = "gpu_check"  # the config the runs use: `short` on the generated data
 IMG_SIZE = (360, 720)
@@ -120,6 +137,22 @@ def skipped(reason: str, **details: Any) -> dict[str, Any]:
     return result("skipped", reason, **details)
 
 
+def importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module set to None
+        return False
+
+
+def missing(check: str) -> list[str]:
+    """The packages ``check`` needs and this python cannot import."""
+    return [package for module, package in NEEDS.get(check, {}).items() if not importable(module)]
+
+
+def needs_text(packages: list[str]) -> str:
+    return f"needs {', '.join(packages)} ({HOW_TO_GET})"
+
+
 def run_check(name: str, check: Callable[[Context], dict[str, Any]], ctx: Context) -> dict[str, Any]:
     """One check's result; an exception inside it is its failure, not the script's."""
     t0 = time.perf_counter()
@@ -156,11 +189,17 @@ def run_plan(plan: list[tuple[str, Callable[[Context], dict[str, Any]]]], ctx: C
                 from tests import gpu_parts
 
                 ctx.parts = gpu_parts.all_skipped("--skip tests")
+        elif missing(name):
+            res = skipped(needs_text(missing(name)))
+            if name == "tests":
+                from tests import gpu_parts
+
+                ctx.parts = gpu_parts.all_skipped(res["reason"])
         elif name in NEEDS_DATA and ctx.yaml is None:
             res = skipped("no data: the data check did not produce it")
         elif time.monotonic() >= ctx.deadline:
-            res = failed(f"not run: the checks before it used its share of the {ctx.args.budget_s:.0f} s "
-                         f"budget")
+            res = skipped(f"{NOT_RUN}: the checks before it used its share of the {ctx.args.budget_s:.0f} s "
+                          f"budget")
         else:
             print(f"{name} ...", flush=True)
             res = run_check(name, check, ctx)
@@ -288,12 +327,14 @@ def environment() -> dict[str, Any]:
 
 
 def safe_environment() -> dict[str, Any]:
-    """environment(), or what went wrong asking for it (the checks still run)."""
+    """environment(), or what went wrong asking for it (the checks still run); either way the
+    optional packages this python lacks."""
+    lacking = {"missing": [package for module, package in OPTIONAL.items() if not importable(module)]}
     try:
-        return environment()
+        return {**environment(), **lacking}
     except Exception as err:  # isolation, as for the checks
         log.exception("reading the environment failed")
-        return {"error": f"{type(err).__name__}: {err}", "dali_error": dali_status()[1]}
+        return {"error": f"{type(err).__name__}: {err}", "dali_error": dali_status()[1], **lacking}
 
 
 def _version_of(package: str) -> str | None:
@@ -325,11 +366,6 @@ def check_tests(ctx: Context, gpus: int | None = None) -> dict[str, Any]:
     from utils import device as dev
 
     gpus = dev.gpu_count() if gpus is None else gpus
-    if importlib.util.find_spec("pytest") is None:
-        why = (f"pytest is not installed for {sys.executable}: no part was checked (install pytest, "
-               f"pytest-timeout and pytest-xdist for it, or run with a python that has them)")
-        ctx.parts = gpu_parts.all_skipped(why)
-        return skipped(why)
     logs = ctx.out / "logs"
     results, log_path = logs / "cuda_tests.jsonl", logs / "cuda_tests.log"
     results.unlink(missing_ok=True)
@@ -337,8 +373,8 @@ def check_tests(ctx: Context, gpus: int | None = None) -> dict[str, Any]:
     rc = run_logged(pytest_command(results, ctx.args.test_workers), log_path, timeout,
                     **{gpu_parts.RESULTS_ENV: str(results), "GPU_CHECK_LOGS": str(logs / "parts")})
     found = gpu_parts.read_results(results)
-    if rc is None:
-        not_run = f"not finished: the tests ran past their {timeout:.0f} s (logs/cuda_tests.log)"
+    if rc is None:  # stopped at the tests' share: those that did not finish were not run
+        not_run = f"{NOT_RUN}: the tests' {timeout:.0f} s share ran out (logs/cuda_tests.log)"
     else:
         not_run = f"did not run: pytest exited with {rc}: {tail_reason(log_path)} (logs/cuda_tests.log)"
     ctx.parts = gpu_parts.part_results(found, gpus, not_run)
@@ -346,9 +382,11 @@ def check_tests(ctx: Context, gpus: int | None = None) -> dict[str, Any]:
     summary = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
                f"(logs/cuda_tests.log)")
     bad = [name for name, r in ctx.parts.items() if r["status"] == "fail"]
-    if rc is None or bad:
-        why = f"pytest {exit_text(rc, timeout)}; " if rc is None else ""
-        return failed(f"{why}{summary}; failing parts: {', '.join(bad) or 'none'}", **counts)
+    cut = f"; {NOT_RUN} after {timeout:.0f} s: the parts' rows name the tests not run" if rc is None else ""
+    if bad:
+        return failed(f"{summary}; failing parts: {', '.join(bad)}{cut}", **counts)
+    if rc is None:
+        return (passed if counts["passed"] else skipped)(f"{summary}{cut}", **counts)
     if rc not in (0, 1) and not found:
         return failed(f"pytest exited with {rc} and ran no test: {tail_reason(log_path)}", **counts)
     if not counts["passed"]:  # with CUDA here, every cuda test skipped means something is off
@@ -446,6 +484,8 @@ def check_train_vs_graph(ctx: Context, runs: tuple[tuple[str, str], ...] = RUNS)
         rc = run_logged([sys.executable, str(REPO / script), "--yaml_config", str(ctx.yaml),
                          "--config", CONFIG, "--run_num", label, "--num_iters", str(ctx.args.steps),
                          "--amp_mode", "bf16"], log_path, timeout)
+        if rc is None and time.monotonic() >= ctx.deadline:
+            return skipped(f"{NOT_RUN}: {script} stopped at the end of the check's share")
         if rc != 0:
             return failed(f"{script} {exit_text(rc, timeout)}: {tail_reason(log_path)}")
         found = sorted(run_root.glob(f"*/{label}/metrics.jsonl"))
@@ -529,6 +569,8 @@ def run_rung(ctx: Context, name: str) -> dict[str, Any]:
                      "--loader_batches", "4", "--workers", str(a.workers), "--amp", "bf16",
                      "--matmul_size", str(a.matmul_size),
                      "--out_dir", str(bench_dir)], log_path, timeout)
+    if rc is None and time.monotonic() >= ctx.deadline:
+        return skipped(f"{NOT_RUN}: stopped at the end of the ladder's share")
     if rc != 0:
         return failed(f"benchmark.py {exit_text(rc, timeout)}: {tail_reason(log_path)}")
     bench = json.loads((bench_dir / "benchmark.json").read_text())
@@ -555,7 +597,7 @@ def check_ladder(ctx: Context) -> dict[str, Any]:
         if name == "+DALI" and ctx.dali_error:
             res = skipped("NVIDIA DALI is not importable; the later rungs keep the PyTorch DataLoader")
         elif time.monotonic() >= ctx.deadline:
-            res = failed(f"not run: the ladder's share of the {ctx.args.budget_s:.0f} s budget was spent")
+            res = skipped(f"{NOT_RUN}: the ladder's share of the {ctx.args.budget_s:.0f} s budget was spent")
         else:
             print(f"  rung {name} ...", flush=True)
             res = run_check(f"ladder {name}", lambda c, n=name: run_rung(c, n), ctx)
@@ -637,8 +679,10 @@ def _parts_md(parts: dict[str, Any]) -> list[str]:
 def _environment_md(env: dict[str, Any]) -> list[str]:
     if not env:
         return []
+    lacking = ([f"Not installed for this python: {', '.join(env['missing'])} (the parts that need them are "
+                f"skipped; {HOW_TO_GET}).", ""] if env.get("missing") else [])
     if "error" in env:
-        return [f"Reading the versions and the GPU failed: {env['error']}", ""]
+        return [f"Reading the versions and the GPU failed: {env['error']}", "", *lacking]
     gpu = env.get("gpu", {})
     rows = [("GPU", f"{gpu.get('name')}, {gpu.get('memory_bytes', 0) / 2**30:.1f} GiB, compute capability "
                     f"{gpu.get('capability')} ({gpu.get('count')} visible)"),
@@ -648,7 +692,7 @@ def _environment_md(env: dict[str, Any]) -> list[str]:
             ("DALI", env.get("dali") or f"not importable ({env.get('dali_error')})"),
             ("Python", f"{env.get('python')} ({env.get('python_executable')})"),
             ("pytest", env.get("pytest") or "not installed")]
-    return ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
+    return ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], "", *lacking]
 
 
 def _losses_md(res: dict[str, Any]) -> list[str]:
@@ -701,10 +745,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="folder of the report and the logs (default: logs/gpu_check)")
     p.add_argument("--skip", action="append", default=[], metavar="CHECK",
                    help="leave a check out (repeat, or separate with commas): " + ", ".join(CHECKS))
-    p.add_argument("--steps", type=int, default=24, help="training steps of train.py and train_graph.py")
+    p.add_argument("--steps", type=int, default=12, help="training steps of train.py and train_graph.py")
     p.add_argument("--loss_rtol", type=float, default=0.02,
                    help="largest relative difference allowed between the two runs' logged losses")
-    p.add_argument("--ladder_steps", type=int, default=10, help="timed steps per ladder rung")
+    p.add_argument("--ladder_steps", type=int, default=5, help="timed steps per ladder rung")
     p.add_argument("--rungs", default=None,
                    help="comma-separated ladder rungs (default: all of scripts/benchmark.py's)")
     p.add_argument("--batch", type=int, default=16, help="global batch size (short's is 16)")
@@ -713,9 +757,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="size of the square matmuls that measure each rung's peak FLOP/s (benchmark.py)")
     p.add_argument("--test_workers", type=int, default=2,
                    help="pytest-xdist workers of the tests, where pytest-xdist is installed (1: none)")
-    p.add_argument("--samples_per_year", type=int, default=34,
-                   help="synthetic samples per split (about 21 MB each at 360 x 720; 34: two batches "
-                        "of 16 (t, t + 1) pairs)")
+    p.add_argument("--samples_per_year", type=int, default=18,
+                   help="synthetic samples per split (about 21 MB each at 360 x 720; 18: one batch "
+                        "of 16 (t, t + 1) pairs and the validation's)")
     p.add_argument("--budget_s", type=float, default=BUDGET_S,
                    help=f"seconds the whole check may take (default {BUDGET_S}), shared out as "
                         + ", ".join(f"{k} {v}" for k, v in SHARES_S.items()))
@@ -770,7 +814,8 @@ def main(argv: list[str] | None = None) -> int:
         yaml, out = args.dali_worker
         Path(out).write_text(json.dumps(dali_compare(Path(yaml))))
         return 0
-    problem = refusal() or resolve_rungs(args)
+    ladder = "ladder" not in args.skip and not missing("ladder")  # the rungs' names need the project
+    problem = refusal() or (resolve_rungs(args) if ladder else None)
     if problem:
         sys.stderr.write(problem + "\n")
         return 2
@@ -791,6 +836,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     env = report["environment"]
     ctx.dali_error = env.get("dali_error")
+    if env.get("missing"):
+        print(f"not installed: {', '.join(env['missing'])}; the parts that need them are skipped", flush=True)
     if "gpu" in env:
         print(f"{env['gpu']['name']}; torch {env['torch']}, CUDA {env['cuda_runtime']}, NCCL {env['nccl']}, "
               f"DALI {env['dali'] or 'not importable'}; report in {args.out}", flush=True)

@@ -309,3 +309,26 @@ def test_calibrate_and_check_use_the_gpus_the_machine_has(monkeypatch, tmp_path,
     said = capsys.readouterr().out
     left = [lay.name for lay in cm.CHECKED if lay.ranks > gpus]
     assert f"left out, more ranks than this machine's {gpus} GPU(s): {', '.join(left)}" in said
+
+
+def test_the_check_writes_its_numbers_without_matplotlib(monkeypatch, tmp_path, capsys):
+    """A GPU image with torch alone: check.json and check.md are written, the plot is left out with
+    a line, and the check does not fail."""
+    import sys
+
+    from scripts import instruments
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    monkeypatch.setattr(cm, "run_check", lambda args, m: [])
+    monkeypatch.setattr(cm, "check_table", lambda rows: "| layout |")
+
+    def no_plot(rows, path):
+        raise AssertionError("plotted without matplotlib")
+
+    monkeypatch.setattr(cm, "plot_check", no_plot)
+    written = []
+    monkeypatch.setattr(instruments, "write_report", lambda out, name, md, rows: written.append(name))
+    args = cm.argparse.Namespace(out=tmp_path)
+    assert cm.check_command(args, cm.Model.from_config(tiny()), None) == 0
+    assert written == ["check"]
+    assert "no check.png: matplotlib is not installed" in capsys.readouterr().out

@@ -454,10 +454,11 @@ def test_context_and_sequence_parallel(setup, references, tmp_path, request, rec
     record_property("numbers", {**numbers, "seconds": run["tp2cp2"][2]})
 
 
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
 def test_pipeline_schedule(schedule, setup, references, tmp_path, request, record_property):
-    """2 pipeline ranks with 2 stages each (4 micro-batches of 2 samples), clipped: the serial
-    losses (send and receive over NCCL: these need 2 GPUs)."""
+    """2 pipeline ranks (the flushed GPipe and 1F1B, which freezing and the Perlmutter commands use:
+    a stage each; interleaved 1F1B and zero bubble: 2 stages each), 4 micro-batches of 2 samples,
+    clipped: the serial losses (send and receive over NCCL: these need 2 GPUs)."""
     where(request)
     run = Jobs(tmp_path, request.node.name).run(
         ("pp2", command("train_mp.py", 2, flags(setup, tmp_path, "pp2", pipeline_parallel=2,
@@ -547,6 +548,8 @@ def test_cost_model_calibrates_and_checks(setup, tmp_path, request, record_prope
 # the embedding and block 0 freeze at step 2, block 1 at step 4; the cache keeps their output
 FREEZE = {"freeze_schedule": "steps", "freeze_cache_mib": 16.0, "lr_schedule": "constant"}
 FREEZE_STEPS = ["--freeze_steps", "2", "4"]
+# the gradient-norm rule, an interval of 2 steps: its decisions under DDP must be one process's
+GRADNORM = {"freeze_schedule": "gradnorm", "freeze_every": 2, "lr_schedule": "constant"}
 
 
 def test_freezing_with_ddp_and_its_cache(setup, tmp_path, request, record_property):
@@ -554,17 +557,26 @@ def test_freezing_with_ddp_and_its_cache(setup, tmp_path, request, record_proper
     all-reduce, run without autograd, their output cached), on 2 ranks against one process with
     the same freezing; both log the frozen blocks of each step."""
     backend = where(request)
+    ranks = gpu_parts.backend_flags(backend)
     run = Jobs(tmp_path, request.node.name).run(
         ("one", command("train.py", 1, flags(setup, tmp_path, "one", **FREEZE) + FREEZE_STEPS), job_env()),
-        ("dp2", command("train.py", 2, flags(setup, tmp_path, "dp2", **FREEZE) + FREEZE_STEPS
-                        + gpu_parts.backend_flags(backend)), job_env()))
-    ok(run["one"], "one process")
-    ok(run["dp2"], "2 ranks")
+        ("dp2", command("train.py", 2, flags(setup, tmp_path, "dp2", **FREEZE) + FREEZE_STEPS + ranks),
+         job_env()),
+        ("gradnorm_one", command("train.py", 1, flags(setup, tmp_path, "gradnorm_one", **GRADNORM)),
+         job_env()),
+        ("gradnorm_dp2", command("train.py", 2, flags(setup, tmp_path, "gradnorm_dp2", **GRADNORM) + ranks),
+         job_env()))
+    for label in run:
+        ok(run[label], label)
     one, dp2 = metrics(run_folder(tmp_path, "one")), metrics(run_folder(tmp_path, "dp2"))
     assert [m["frozen_blocks"] for m in dp2] == [m["frozen_blocks"] for m in one] == [[0, 0], [1, 1], [2, 2]]
     numbers = compare(one, dp2, LOSS_RTOL)
+    # the gradient-norm rule decides from the blocks' gradients: under DDP as in one process
+    g_one, g_dp2 = (metrics(run_folder(tmp_path, n)) for n in ("gradnorm_one", "gradnorm_dp2"))
+    assert [m["frozen_blocks"] for m in g_dp2] == [m["frozen_blocks"] for m in g_one], (g_one, g_dp2)
     record_property("numbers", {**numbers, "seconds": run["dp2"][2],
-                                "cache_hit_rate": dp2[-1].get("cache_hit_rate")})
+                                "cache_hit_rate": dp2[-1].get("cache_hit_rate"),
+                                "gradnorm_frozen": g_dp2[-1]["frozen_blocks"]})
 
 
 # SGD at a constant rate, one micro-batch per step: the asynchronous rule's own test setting
@@ -590,3 +602,85 @@ def test_asynchronous_pipeline_on_two_gpus(setup, tmp_path, request, record_prop
     assert "process group: nccl" in (gpu_folder / "out.log").read_text(), "the stages did not talk over NCCL"
     numbers = compare(metrics(run_folder(tmp_path / "cpu", "async")), metrics(gpu_folder), 1e-3)
     record_property("numbers", {**numbers, "seconds": run["gpu"][2]})
+
+
+def test_asynchronous_modes_on_two_gpus(setup, tmp_path, request, record_property):
+    """The asynchronous 1F1B's other weight versions on 2 stages over NCCL (none: the newest
+    weights; vertical: the first stage's version everywhere; 2bw: the version before the newest),
+    each against the same run on the CPU. Tolerance 1e-3, as above."""
+    where(request)
+    cpu_env = subprocess_env(fast_start=False)
+    modes = ("none", "vertical", "2bw")
+    jobs = []
+    for mode in modes:
+        values = {**ASYNC, "weight_stashing": mode}
+        jobs += [(f"gpu_{mode}", command("train_mp.py", 2, flags(setup, tmp_path / "gpu", mode, **values)),
+                  job_env()),
+                 (f"cpu_{mode}", command("train_mp.py", 2, flags(setup, tmp_path / "cpu", mode, **values)),
+                  cpu_env)]
+    run = Jobs(tmp_path, request.node.name).run(*jobs)
+    numbers = {}
+    for mode in modes:
+        ok(run[f"gpu_{mode}"], f"{mode} on 2 GPUs")
+        ok(run[f"cpu_{mode}"], f"{mode} on the CPU")
+        cpu, gpu = (metrics(run_folder(tmp_path / where_, mode)) for where_ in ("cpu", "gpu"))
+        found = compare(cpu, gpu, 1e-3)
+        numbers[f"{mode}_rel_diff"] = found["max_rel_diff"]
+    record_property("numbers", numbers)
+
+
+def test_freezing_with_pipeline_stages_recut(setup, tmp_path, request, record_property):
+    """Part 12 with a pipeline: 2 stages whose frozen blocks leave the pipeline as they freeze (the
+    stages re-cut over the blocks still training), against one process with the same freezing."""
+    where(request)
+    values = {**FREEZE, "freeze_cache_mib": 0.0}
+    run = Jobs(tmp_path, request.node.name).run(
+        ("one", command("train.py", 1, flags(setup, tmp_path, "one", **values) + FREEZE_STEPS), job_env()),
+        ("pp2", command("train_mp.py", 2, flags(setup, tmp_path, "pp2", pipeline_parallel=2,
+                                                pipeline_schedule="1f1b", **values) + FREEZE_STEPS),
+         job_env()))
+    ok(run["one"], "one process")
+    ok(run["pp2"], "2 stages")
+    one, pp2 = metrics(run_folder(tmp_path, "one")), metrics(run_folder(tmp_path, "pp2"))
+    assert [m["frozen_blocks"] for m in pp2] == [m["frozen_blocks"] for m in one]
+    numbers = compare(one, pp2, LOSS_RTOL)
+    record_property("numbers", {**numbers, "seconds": run["pp2"][2]})
+
+
+def test_training_through_dali_on_the_gpu(setup, references, tmp_path, request, record_property):
+    """train.py reading through the DALI GPU pipeline trains as through the PyTorch loader (the
+    same batches, tests/test_dali.py): the one-process losses."""
+    where(request)
+    if importlib.util.find_spec("nvidia.dali") is None:
+        pytest.skip("NVIDIA DALI is not installed for this python")
+    run = Jobs(tmp_path, request.node.name).run(
+        ("dali", command("train.py", 1, flags(setup, tmp_path, "dali", data_loader_config="dali", **LAMB)),
+         job_env()))
+    ok(run["dali"])
+    numbers = compare(metrics(references["lamb"]), metrics(run_folder(tmp_path, "dali")), LOSS_RTOL)
+    record_property("numbers", {**numbers, "seconds": run["dali"][2]})
+
+
+def test_tensor_parallel_with_ddp_and_with_offloaded_fsdp(setup, references, tmp_path, request,
+                                                          record_property):
+    """train_mp.py on 4 ranks: tensor parallel 2 x DDP 2 with activation checkpointing and 2
+    micro-batches per step; tensor parallel 2 x FSDP 2 with --cpu_offload (the shards in host
+    memory, the groups on the GPUs), whose consolidated checkpoint at step 3 gathers offloaded
+    shards. Both clipped, LAMB, against one process."""
+    backend = where(request)
+    extra = gpu_parts.backend_flags(backend)
+    run = Jobs(tmp_path, request.node.name).run(
+        ("ddp", command("train_mp.py", 4, flags(setup, tmp_path, "ddp", tensor_parallel=2,
+                                                activation_checkpointing="full", grad_accum_steps=2, **LAMB)
+                        + extra), job_env()),
+        ("fsdp", command("train_mp.py", 4, flags(setup, tmp_path, "fsdp", tensor_parallel=2,
+                                                 data_parallel="fsdp", cpu_offload=True, checkpoint_every=3,
+                                                 **LAMB) + extra),
+         job_env()))
+    numbers = {}
+    for label in ("ddp", "fsdp"):
+        ok(run[label], label)
+        found = compare(metrics(references["lamb"]), metrics(run_folder(tmp_path, label)), LOSS_RTOL)
+        numbers[f"{label}_rel_diff"] = found["max_rel_diff"]
+    assert (run_folder(tmp_path, "fsdp") / CHECKPOINT_NAME).is_file()
+    record_property("numbers", numbers)
