@@ -10,7 +10,9 @@
 #SBATCH --time=01:00:00
 #SBATCH --signal=USR1@90
 #SBATCH -J vit-era5
-#SBATCH -o %x-%j.out
+#SBATCH -o logs/%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --requeue
 
 # sbatch runs a copy of this file from its spool folder: find the repository from the
 # folder the job was submitted from when the file's own folder is not it.

@@ -16,7 +16,9 @@
 #SBATCH --time=01:00:00
 #SBATCH --signal=USR1@90
 #SBATCH -J vit-era5-mp
-#SBATCH -o %x-%j.out
+#SBATCH -o logs/%x-%j.out
+#SBATCH --open-mode=append
+#SBATCH --requeue
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 [ -f "$REPO/train_mp.py" ] || REPO=${SLURM_SUBMIT_DIR:-$PWD}

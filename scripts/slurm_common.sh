@@ -4,18 +4,21 @@
 #
 # starts one srun step with one training process per Slurm task. Settings, all
 # overridable from the environment at submission (sbatch exports it to the job):
-#   DATADIR   ERA5 folder (train/, valid/, stats/)       default: the tutorial's copy on Perlmutter
+#   DATADIR   ERA5 folder (train/, valid/, stats/)       default: the newest tutorial's (SC25) copy on
+#             Perlmutter; scratch is purged: elsewhere, download it (docs/01-single-device.md)
 #   LOGDIR    root of the run directories                 default: $SCRATCH/era5-vit/logs or ./logs
 #   IMAGE     Shifter image, used when `shifter` exists   default: nersc/pytorch:25.06.01 (torch 2.8)
 #   SHIFTER_MODULES  shifter modules                       default: gpu,nccl-plugin (Slingshot NCCL)
 #   NATIVE=1  run with PYTHON (a venv) even where shifter exists
 #   ENABLE_PROFILING=1 PROFILE_OUTPUT=name   run under `nsys profile` (output in $LOGDIR)
-#   REQUEUE=1  when training stops on a signal (status 75) the job is put back in the queue
+#   REQUEUE=1  when training stops on a signal with its checkpoint (status 75, or rank 0's word in
+#             $LOGDIR/.stopped-JOB_ID where srun reports another rank's kill) the job is put back in
+#             the queue (the submit scripts ask for --requeue, which scontrol requeue needs)
 #   PYTHON    interpreter outside a container             default: REPO/.venv/bin/python, else python3
 #   TORCH_NCCL_TRACE_BUFFER_SIZE  NCCL's Flight Recorder: collectives kept per rank (default 2000;
 #             0 turns it off); dumped on a collective timeout to $LOGDIR/flight_recorder/JOB_ID/
 
-: "${DATADIR:=/pscratch/sd/s/shas1693/data/sc23_tutorial_data/downsampled}"
+: "${DATADIR:=/pscratch/sd/s/shas1693/data/sc25_tutorial_data}"
 if [ -n "${SCRATCH:-}" ]; then : "${LOGDIR:=$SCRATCH/era5-vit/logs}"; else : "${LOGDIR:=$REPO/logs}"; fi
 # A current NERSC PyTorch image (SC25's): its torch (2.8) is in the supported range; SC23's
 # ngc-23.07-v0 is far older than the APIs this code calls.
@@ -66,6 +69,14 @@ run_training() {
     echo "error: cannot create LOGDIR=$LOGDIR; set LOGDIR to a folder you can write" >&2
     return 2
   fi
+  local arg given_data=0
+  for arg in "$@"; do case $arg in --data_dir|--data_dir=*) given_data=1 ;; esac; done
+  case $entry in
+    train*.py) if [ "$given_data" = 0 ] && [ ! -d "$DATADIR/train" ]; then
+        echo "error: DATADIR=$DATADIR has no train/ folder; set DATADIR to your ERA5 folder (sbatch passes your environment on: DATADIR=/path sbatch ...)" >&2
+        return 2
+      fi ;;
+  esac
   if [ "${ENABLE_PROFILING:-0}" = 1 ]; then
     local out="$LOGDIR/${PROFILE_OUTPUT:-profile}"
     [ "${SLURM_NTASKS:-1}" -gt 1 ] && out="${out}_rank%q{SLURM_PROCID}"  # one report per rank
@@ -87,6 +98,12 @@ run_training() {
   export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
   export TORCH_FR_DUMP_TEMP_FILE=$in_logs/$traces/rank_
   export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=$TORCH_FR_DUMP_TEMP_FILE
+  # rank 0 writes this once every rank has stopped on a signal after the checkpoint (training/
+  # launcher.py): with --kill-on-bad-exit, srun may end the others before they exit 75 themselves
+  # and report their kill (137), yet the run is safe to continue
+  local stopped=.stopped-${SLURM_JOB_ID:-local}
+  rm -f "$LOGDIR/$stopped"
+  export TRAINING_STOPPED_FILE=$in_logs/$stopped
   if [ "$in_logs" = /logs ]; then
     # pip install --user inside this image goes to its own folder, not the host's ~/.local
     export PYTHONUSERBASE="$HOME/.local/perlmutter/${IMAGE//[:\/]/_}"
@@ -115,6 +132,11 @@ run_training() {
   "${launcher[@]}" "${cmd[@]}"
   rc=$?
   { set +x; } 2>/dev/null
+  if [ "$rc" != "$EXIT_STOPPED" ] && [ -f "$LOGDIR/$stopped" ]; then
+    echo "srun returned $rc, but training stopped on a signal with a checkpoint ($(cat "$LOGDIR/$stopped"))"
+    rc=$EXIT_STOPPED
+  fi
+  rm -f "$LOGDIR/$stopped"
   if [ "$rc" = "$EXIT_STOPPED" ] && [ "${REQUEUE:-0}" = 1 ] && [ -n "${SLURM_JOB_ID:-}" ]; then
     echo "training stopped on a signal with a checkpoint: requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID" && return 0

@@ -92,7 +92,8 @@ SLURM_OPTIONS = {  # option -> name, for the options with a value
     "constraint": ("-C", "--constraint"), "cpus-per-task": ("-c", "--cpus-per-task"),
     "gpus-per-task": ("--gpus-per-task",), "gpus-per-node": ("--gpus-per-node",), "gpus": ("-G", "--gpus"),
     "qos": ("-q", "--qos"), "time": ("-t", "--time"), "account": ("-A", "--account"),
-    "job-name": ("-J", "--job-name"), "output": ("-o", "--output"), "signal": ("--signal",)}
+    "job-name": ("-J", "--job-name"), "output": ("-o", "--output"), "signal": ("--signal",),
+    "open-mode": ("--open-mode",)}
 SLURM_VALUE_OPTIONS = {option: name for name, options in SLURM_OPTIONS.items() for option in options}
 SLURM_SWITCHES = ("--requeue", "--exclusive", "-u", "--unbuffered", "--kill-on-bad-exit")
 

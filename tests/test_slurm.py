@@ -103,6 +103,24 @@ def test_signal_checkpoints_and_requeued_job_resumes(slurm, data_dir, test_yaml,
     assert metrics(run_dir(tmp_path / "logs", 1))[-1]["step"] == num_iters
 
 
+def test_a_stopped_job_is_requeued_though_srun_reports_a_killed_rank(slurm, tmp_path):
+    """With --kill-on-bad-exit, the first rank to exit 75 makes srun kill the others, and srun's
+    status is then their kill's; rank 0's marker (every rank stopped after the checkpoint) still
+    puts the job back in the queue. The job asks for --requeue, as the submit scripts do."""
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\nREPO={REPO}\nsource $REPO/scripts/slurm_common.sh\n"
+                      f"run_training tests/slurm_stop_entry.py\n")
+    options = ["-o", f"{tmp_path}/%x-%j.out", "-n", "2", "--requeue", "--open-mode=append"]
+    env = subprocess_env(fast_start=False, REQUEUE="1", NATIVE="1", LOGDIR=str(tmp_path / "logs"))
+    job = slurm.sbatch(script, [], options, cwd=REPO, env=env)
+    info = slurm.wait(job, JOB_TIMEOUT, restarts=1)
+    out = job_output(tmp_path, job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), out[-3000:]
+    assert f"requeueing job {job}" in out and "requeued run done" in out, out[-3000:]
+    # srun's own status is the killed rank's (143 here): the marker is what requeued the job
+    assert "srun returned 1" in out and "but training stopped on a signal with a checkpoint (step 3)" in out
+
+
 def test_srun_gives_its_tasks_the_steps_gpus_whatever_the_batch_script_exported(slurm, tmp_path):
     """Why scripts/slurm_common.sh binds each task's CPUs to its GPU instead of renumbering the
     GPUs (as SC23's scripts did with CUDA_VISIBLE_DEVICES=3,2,1,0): srun sets the variable for

@@ -29,8 +29,9 @@ def run_training(tmp_path: Path, entry: str, with_shifter: bool, **env: str) -> 
     log = tmp_path / "calls.log"
     for name in ("srun", "nsys") + (("shifter",) if with_shifter else ()):
         fake(bin_dir, name, log)
+    (tmp_path / "data" / "train").mkdir(parents=True, exist_ok=True)
     environ = subprocess_env(PATH=f"{bin_dir}:{os.environ['PATH']}", LOGDIR=str(tmp_path / "logs"),
-                             SLURM_JOB_ID="123", **env)
+                             SLURM_JOB_ID="123", DATADIR=str(tmp_path / "data"), **env)
     script = f'REPO={REPO}; source scripts/slurm_common.sh && run_training {entry} --config tiny'
     result = subprocess.run(["bash", "-c", script], cwd=REPO, env=environ, capture_output=True,
                             text=True, timeout=60)
@@ -110,6 +111,54 @@ def test_a_logdir_that_cannot_be_made_is_one_line_before_srun(tmp_path):
     assert not (tmp_path / "calls.log").exists()  # srun never started
 
 
+def test_a_missing_data_folder_is_one_line_before_srun(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake(bin_dir, "srun", tmp_path / "calls.log")
+    environ = subprocess_env(PATH=f"{bin_dir}:{os.environ['PATH']}", LOGDIR=str(tmp_path / "logs"),
+                             DATADIR=str(tmp_path / "purged"))
+    script = f"REPO={REPO}; source scripts/slurm_common.sh && run_training train.py --config tiny"
+    result = subprocess.run(["bash", "-c", script], cwd=REPO, env=environ, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(f"error: DATADIR={tmp_path / 'purged'} has no train/ folder; set "
+                                            f"DATADIR to your ERA5 folder"), result.stderr
+    assert not (tmp_path / "calls.log").exists()  # srun never started
+
+
+def test_a_stop_reported_as_another_ranks_kill_is_requeued(tmp_path):
+    """With --kill-on-bad-exit, the first rank to exit 75 makes srun kill the others, and srun
+    returns 137; rank 0's marker says every rank stopped after the checkpoint: the job requeues."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    (bin_dir / "srun").write_text('#!/bin/bash\necho "step 12" > "$TRAINING_STOPPED_FILE"\nexit 137\n')
+    (bin_dir / "srun").chmod(0o755)
+    fake(bin_dir, "scontrol", log)
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    environ = subprocess_env(PATH=f"{bin_dir}:{os.environ['PATH']}", LOGDIR=str(tmp_path / "logs"),
+                             DATADIR=str(tmp_path / "data"), SLURM_JOB_ID="123", REQUEUE="1", NATIVE="1")
+    script = f"REPO={REPO}; source scripts/slurm_common.sh && run_training train.py --config tiny"
+    result = subprocess.run(["bash", "-c", script], cwd=REPO, env=environ, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "srun returned 137, but training stopped on a signal with a checkpoint (step 12)" in result.stdout
+    assert [c for c in log.read_text().splitlines() if "requeue" in c] == ["scontrol requeue 123"]
+    assert not (tmp_path / "logs" / ".stopped-123").exists()
+    environ["REQUEUE"] = "0"  # without REQUEUE the job ends with the stop's status
+    result = subprocess.run(["bash", "-c", script], cwd=REPO, env=environ, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 75 and log.read_text().count("requeue") == 1
+
+
+def test_the_submit_scripts_requeue_and_append_their_log_under_logs():
+    for name in ("submit_pm.sh", "submit_pm_dp.sh", "submit_pm_mp.sh"):
+        text = (REPO / name).read_text()
+        assert "#SBATCH --requeue" in text and "#SBATCH --open-mode=append" in text, name
+        assert "#SBATCH -o logs/%x-%j.out" in text, name
+    assert (REPO / "logs" / ".gitkeep").is_file()  # Slurm opens the log before the job runs
+
+
 @pytest.mark.parametrize("with_shifter", [True, False])
 def test_nccls_flight_recorder_dumps_into_the_logs(tmp_path, with_shifter):
     """Every rank keeps its last 2000 collectives and writes them, when NCCL's watchdog times one
@@ -123,7 +172,7 @@ def test_nccls_flight_recorder_dumps_into_the_logs(tmp_path, with_shifter):
         fake(bin_dir, "shifter", tmp_path / "calls.log")
     logs = tmp_path / "logs"
     environ = subprocess_env(PATH=f"{bin_dir}:{os.environ['PATH']}", LOGDIR=str(logs), SLURM_JOB_ID="123")
-    script = f'REPO={REPO}; source scripts/slurm_common.sh && run_training train.py --config tiny'
+    script = f'REPO={REPO}; source scripts/slurm_common.sh && run_training train.py --data_dir=/d'
     result = subprocess.run(["bash", "-c", script], cwd=REPO, env=environ, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr

@@ -352,6 +352,9 @@ def train(trainer: Trainer, cfg: Config, ctx: RunContext, script_step: type[Eage
             # too, even where another rank's reached the stop agreement first
             log.warning("stopped with the checkpoint of step %d; the stop signal reached this rank: %s",
                         trainer.step, signals.received() or "no")
+            marker = os.environ.get("TRAINING_STOPPED_FILE")  # scripts/slurm_common.sh's
+            if marker and ctx.is_main:  # every rank has stopped: the batch script may requeue
+                Path(marker).write_text(f"step {trainer.step}\n")
     except TrainingError as err:
         log.error("rank %d: %s", ctx.rank, err)
         return 1
