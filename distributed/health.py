@@ -69,6 +69,9 @@ class Deadlines:
     process_group_s: float  # the backend gives up on the collective (init_process_group's timeout)
     report_s: float  # the heartbeat logs the diagnosis
     end_s: float  # the heartbeat ends the process (if nothing else has)
+    # NCCL: collectives run on the GPU after the host has queued them, and the host may be a step
+    # or more ahead of the stuck one when it notices: the step named is the latest it can be
+    host_runs_ahead: bool = False
 
 
 def deadlines(collective_timeout_s: float, backend: str) -> Deadlines:
@@ -81,7 +84,7 @@ def deadlines(collective_timeout_s: float, backend: str) -> Deadlines:
     late = 2 * PERIOD_S
     if any(name in backend for name in ENDS_PROCESS_AT_TIMEOUT):
         return Deadlines(collective_timeout_s + NCCL_MARGIN_S, collective_timeout_s,
-                         collective_timeout_s + NCCL_MARGIN_S + late)
+                         collective_timeout_s + NCCL_MARGIN_S + late, host_runs_ahead=True)
     return Deadlines(collective_timeout_s, collective_timeout_s + late, collective_timeout_s + late)
 
 
@@ -188,6 +191,9 @@ class Heartbeat:
 
     def _diagnosis(self, now: float | None) -> str:
         me = f"rank {self.rank} gave up at {self.where(self.step, self.phase)}"
+        ahead = self.limits is not None and self.limits.host_runs_ahead
+        note = (" (the stuck collective is of that step or an earlier one: the host queues NCCL's "
+                "collectives ahead of the GPU; the Flight Recorder dump names it)") if ahead else ""
         first = self.others()
         entries = self._news(first)
         now = time.time() if now is None else now
@@ -208,8 +214,8 @@ class Heartbeat:
                 missing.append(f"rank {r} did not arrive: it is alive at {seen}")
         if not missing:
             return (f"{me}; every other rank is alive at the same step and phase (a collective they "
-                    f"called differently, or a slow network: see docs/04-communication.md)")
-        return f"{me}: " + "; ".join(missing)
+                    f"called differently, or a slow network: see docs/04-communication.md){note}")
+        return f"{me}: " + "; ".join(missing) + note
 
     def _news(self, first: dict[int, dict[str, Any] | None]) -> dict[int, dict[str, Any] | None]:
         """Every rank's entry once each live rank has written a new one: after one period, or for

@@ -307,6 +307,29 @@ def build_mesh(sizes: dict[str, int], order: str = "tp-cp-dp", device_type: str 
     return mesh
 
 
+def release_groups(mesh: ParallelMesh) -> None:
+    """Destroy the mesh's NCCL groups once nothing uses them (a layout that changes mid-run): each
+    is a communicator holding GPU buffers until destroyed. gloo's groups (sockets) are left to
+    the process's end: destroying them mid-run can deadlock (training/launcher.py's exit).
+    Every rank calls it at the same point."""
+    seen = set()
+    for group in mesh.groups.values():
+        if group is None or id(group) in seen:
+            continue
+        seen.add(id(group))
+        if "nccl" in str(dist.get_backend(group)):
+            dist.destroy_process_group(group)
+
+
+def next_mesh(mesh: ParallelMesh, sizes: dict[str, int], order: str, device_type: str) -> ParallelMesh:
+    """The mesh of a layout that changes mid-run (training/freezing.py's re-cut pipeline): ``mesh``
+    itself when the sizes are its own, else a new one, the old one's groups released."""
+    if all(mesh.size(name) == size for name, size in sizes.items()):
+        return mesh
+    release_groups(mesh)
+    return build_mesh(sizes, order, device_type)
+
+
 # the dimensions whose collectives run in every block: their groups belong inside a node
 INSIDE_A_NODE = {"tp": "tensor-parallel", "cp": "context-parallel"}
 

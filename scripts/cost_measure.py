@@ -326,11 +326,16 @@ def collective_on(kind: str, x: torch.Tensor, n: int, world: int, rank: int):
 
 
 def busy(seconds: float) -> None:
-    """Matmuls for about ``seconds`` (the computation between two collectives in a step)."""
+    """Matmuls for about ``seconds`` (the computation between two collectives in a step), done
+    when it returns: on a GPU the host only queues them, and a collective timed right after would
+    wait behind the queue."""
+    from utils import device as dev
+
     a = torch.randn(256, 256, device=calibration_device())
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         a @ a
+        dev.synchronize(a.device)  # each one done before the clock is read again
 
 
 def calibration_worker(calls: int = 30, seconds: float = 0.25) -> int:

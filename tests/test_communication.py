@@ -188,6 +188,25 @@ def test_on_nccl_the_heartbeat_reports_before_the_process_group_times_out():
     # time to notice (a heartbeat), write the line (a heartbeat and the store reads) and flush it
     assert NCCL_MARGIN_S >= 4 * PERIOD_S + 5
     assert deadlines(20.0, "cpu:gloo,cuda:nccl") == nccl
+    assert nccl.host_runs_ahead and not gloo.host_runs_ahead
+
+
+def test_on_nccl_the_step_named_is_the_latest_the_stuck_collective_can_be_of():
+    """The host queues NCCL's collectives and runs on: when it notices, it may be a step past the
+    stuck one. The line says so instead of naming the step as if it were certain."""
+    import torch.distributed as dist
+
+    from distributed.health import deadlines
+
+    beat = Heartbeat(dist.HashStore(), 0, 2, "hb/", period_s=0.01, limits=deadlines(5.0, "nccl"))
+    beat.others = lambda read_timeout_s=5.0: {1: None}
+    beat.mark(13, "backward")
+    line = beat.diagnosis()
+    assert line.startswith("rank 0 gave up at step 13 in backward: rank 1 never reported"), line
+    assert line.endswith("(the stuck collective is of that step or an earlier one: the host queues NCCL's "
+                         "collectives ahead of the GPU; the Flight Recorder dump names it)"), line
+    beat.limits = deadlines(5.0, "gloo")
+    assert "the stuck collective" not in beat.diagnosis()
 
 
 def _skipping_rank(rank: int, port: int, timeout_s: float, fake_nccl: bool) -> None:

@@ -332,3 +332,15 @@ def test_the_check_writes_its_numbers_without_matplotlib(monkeypatch, tmp_path, 
     assert cm.check_command(args, cm.Model.from_config(tiny()), None) == 0
     assert written == ["check"]
     assert "no check.png: matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_the_calibrations_compute_is_done_before_a_collective_is_timed(monkeypatch):
+    """On a GPU the host only queues matmuls: busy() waits for the device, or the timed collective
+    would wait behind the queue and count the matmuls' time as its own."""
+    from scripts import cost_measure
+    from utils import device as dev
+
+    waited = []
+    monkeypatch.setattr(dev, "synchronize", lambda device: waited.append(device.type))
+    cost_measure.busy(0.01)
+    assert waited and set(waited) == {"cpu"}

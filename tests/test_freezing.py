@@ -423,3 +423,29 @@ def test_a_run_resumes_exactly_in_the_middle_of_its_schedule(name, data_dir, tes
         assert len(states[0]["gradnorm"]["history"]) == 3, states[0]  # one interval spans the resume
     else:
         assert any(k for m in whole for k in m["frozen_blocks"]), "the schedule froze nothing: no test"
+
+
+def _next_mesh() -> None:
+    import torch.distributed as dist
+
+    from distributed import mesh as meshes
+
+    mesh = meshes.build_mesh({"pp": 2}, "tp-cp-dp", "cpu")
+    assert meshes.next_mesh(mesh, {"tp": 1, "cp": 1, "pp": 2}, "tp-cp-dp", "cpu") is mesh  # re-cut stages
+    destroyed, real = [], (dist.get_backend, dist.destroy_process_group)
+    dist.get_backend = lambda group: "nccl"  # as on GPUs
+    dist.destroy_process_group = destroyed.append
+    try:
+        new = meshes.next_mesh(mesh, {"tp": 1, "cp": 1, "pp": 1}, "tp-cp-dp", "cpu")
+    finally:
+        dist.get_backend, dist.destroy_process_group = real
+    assert new is not mesh and new.size("dp") == 2 and new.size("pp") == 1
+    old = {id(g) for g in mesh.groups.values() if g is not None}
+    assert len(destroyed) == len(old) and {id(g) for g in destroyed} == old
+
+
+@pytest.mark.timeout(120)
+def test_a_layout_change_keeps_the_mesh_it_can_and_releases_the_one_it_cannot():
+    """Freezing re-cuts the pipeline: the same sizes keep the same process groups; new sizes make new
+    groups, and the old NCCL groups (communicators with GPU buffers) are destroyed, not leaked."""
+    run_ranks(2, _next_mesh)

@@ -381,7 +381,8 @@ def in_next_layout(trainer: Trainer, script_step: type[EagerStep]) -> Trainer:
     log.info("step %d: the run continues with %s, from a checkpoint", trainer.step,
              ", ".join(f"{k} {v}" for k, v in trainer.next_layout.items()))
     cfg = with_overrides(trainer.cfg, **trainer.next_layout)
-    mesh = meshes.build_mesh(meshes.requested_sizes(cfg.layout), cfg.parallel_order, trainer.device.type)
+    mesh = meshes.next_mesh(trainer.ctx.mesh, meshes.requested_sizes(cfg.layout), cfg.parallel_order,
+                            trainer.device.type)
     ctx = dataclasses.replace(trainer.ctx, mesh=mesh)
     local_batch = local_batch_size(cfg.global_batch_size, ctx.dp_size, cfg.local_batch_size)
     return Trainer(cfg, ctx, local_batch, step=step_for(cfg, script_step), callbacks=trainer.callbacks)
