@@ -10,6 +10,7 @@ asynchronous run testable. Synchronous DDP on 2 ranks is the serial run with the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -128,8 +129,89 @@ def test_hogwild_workers_update_one_shared_model(yaml, data_dir, tmp_path):
     (1, ["--mode", "server"], "--mode server runs on ranks: start it with torchrun"),
     (1, ["--mode", "hogwild", "--workers", "3"], "does not split over 3 worker"),
     (1, ["--mode", "delayed", "--staleness", "-1"], "--staleness and --slow_ms must be 0 or more"),
+    # flags a mode does not read: refused, not ignored (nor named in the run's folder)
+    (1, ["--mode", "hogwild", "--staleness", "2"], "--staleness sets the delayed mode's fixed staleness"),
+    (1, ["--mode", "delayed", "--staleness", "1000"], "--staleness 1000 is not below the run's 12 updates"),
+    (1, ["--mode", "hogwild", "--slow_rank", "7", "--slow_ms", "5"],
+     "--slow_rank 7 is no worker of --mode hogwild (its workers: 0 .. 1)"),
+    (1, ["--mode", "hogwild", "--slow_rank", "1"], "--slow_rank and --slow_ms make one worker a straggler"),
+    (1, ["--mode", "delayed", "--freeze_schedule", "steps", "--freeze_steps", "2"],
+     "--freeze_schedule would be ignored"),
+    (1, ["--mode", "delayed", "--pipeline_parallel", "2"], "--pipeline_parallel would be ignored"),
+    (1, ["--mode", "delayed", "--data_dir", "/no/such/era5"],
+     "/no/such/era5/train does not exist: pass --data_dir"),
 ])
 def test_mistakes_are_one_line(ranks, flags, message, yaml, data_dir, tmp_path):
     result = async_sgd(ranks, yaml, data_dir, tmp_path, *flags)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "tiny").exists()  # no run folder left behind
+
+
+def test_a_finish_cut_short_leaves_no_finished_run(monkeypatch, tmp_path):
+    """metrics.jsonl says a run is finished: it is written last and whole, after weights.pt, so a
+    run killed in between can be run again instead of being refused as finished without weights."""
+    from types import SimpleNamespace
+
+    from training import async_sgd
+
+    monkeypatch.setattr(async_sgd, "get_data_loader", lambda *a, **k: ([], None, None))
+    monkeypatch.setattr(async_sgd.validation, "evaluate", lambda *a, **k: {"loss": 1.0, "rmse": {}})
+
+    def killed(state, path):
+        raise RuntimeError("killed while writing weights.pt")
+
+    monkeypatch.setattr(async_sgd.ckpt, "save_atomic", killed)
+    cfg = SimpleNamespace(global_batch_size=2, n_out_channels=1, img_size=(4, 8))
+    args = SimpleNamespace(log_every=1, mode="server")
+    updates = [{"trainer": 1, "loss": 0.5, "seconds": 1.0}]
+    with pytest.raises(RuntimeError, match="killed"):
+        async_sgd.finish(cfg, args, tmp_path, torch.nn.Linear(2, 2), updates, 2)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("how", ["SIGSTOP", "SIGKILL"])
+def test_a_stopped_or_killed_hogwild_worker_is_named_and_the_run_ends(how, yaml, data_dir, tmp_path):
+    """A worker frozen (SIGSTOP) or killed (kill -9) mid-run: the run names it in one line and ends,
+    every worker with it, within the collective timeout and a margin; no metrics.jsonl is written."""
+    import os
+    import re
+    import signal
+    import time
+
+    args = train_args(yaml, data_dir, tmp_path, num_iters=2000, global_batch_size=BATCH, **SGD)
+    args = [a for a in args if not a.startswith("--checkpoint_every")]
+    command = [sys.executable, SCRIPT, *args, "--mode", "hogwild", "--workers", "2",
+               "--collective_timeout_s", "5"]
+    proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, pids = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            found = re.search(r"hogwild workers' pids: (\d+) (\d+)", line)
+            if found:
+                pids = [int(found.group(1)), int(found.group(2))]
+                break
+        assert pids, "".join(lines)
+        time.sleep(2.0)  # training under way
+        os.kill(pids[1], getattr(signal, how))
+        sent = time.monotonic()
+        out, _ = proc.communicate(timeout=5 + 30)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+        for pid in pids or []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    text = "".join(lines) + out
+    assert proc.returncode == 1 and "Traceback" not in text, text[-3000:]
+    what = "stopped responding" if how == "SIGSTOP" else "was killed by signal 9"
+    named = rf"hogwild gave up after \d+ updates: worker 1 \(pid {pids[1]}\) {what}"
+    assert re.search(named, text), text[-3000:]
+    assert took < 5 + 30, took
+    for pid in pids:  # every worker ended: gone, or a zombie its parent's end leaves to init
+        with contextlib.suppress(ProcessLookupError):
+            state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}").exists() else "X"
+            assert state in ("Z", "X"), (pid, state)
+    assert not list(tmp_path.glob("tiny/hogwild_2w/*/metrics.jsonl"))

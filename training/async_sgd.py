@@ -34,7 +34,10 @@ import contextlib
 import itertools
 import json
 import logging
+import math
+import queue
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,22 +161,57 @@ def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
     ctx = mp.get_context("fork")
     lock = ctx.Lock() if args.mode == "locked" else None
     count, results, ready = ctx.Value("i", 0), ctx.Queue(), ctx.Barrier(args.workers + 1)
-    procs = [ctx.Process(target=hogwild_worker,
+    # daemons: a worker left stopped or hung never keeps this process from ending
+    procs = [ctx.Process(target=hogwild_worker, daemon=True,
                          args=(cfg, model, w, args.workers, lock, count, results, ready, slow(args, w)))
              for w in range(args.workers)]
     for p in procs:
         p.start()
-    ready.wait(timeout=cfg.collective_timeout_s)
+    log.info("hogwild workers' pids: %s", " ".join(str(p.pid) for p in procs))
+    try:
+        ready.wait(timeout=cfg.collective_timeout_s)
+    except threading.BrokenBarrierError:  # a worker did not get ready in time
+        return give_up(procs, {}, cfg.collective_timeout_s, "before the first update")
     start = time.perf_counter()
-    done = [results.get(timeout=cfg.collective_timeout_s) for _ in range(cfg.num_iters)]
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        log.error("a worker failed (exit codes %s)", [p.exitcode for p in procs])
-        return 1
+    heard = dict.fromkeys(range(len(procs)), time.monotonic())  # each worker's last update
+    done = []
+    limit = cfg.collective_timeout_s
+    while len(done) < cfg.num_iters or any(p.is_alive() for p in procs):
+        try:
+            item = results.get(timeout=min(1.0, limit))
+        except queue.Empty:
+            item = None
+        if item is not None:
+            heard[item[0]] = time.monotonic()
+            done.append(item)
+        now = time.monotonic()  # a worker that died, or has been silent for the timeout (stopped, hung)
+        stuck = [w for w, p in enumerate(procs) if p.exitcode is None and now - heard[w] > limit]
+        lost = item is None and len(done) < cfg.num_iters and not any(p.is_alive() for p in procs)
+        if stuck or lost or any(p.exitcode not in (None, 0) for p in procs):
+            return give_up(procs, heard, limit, f"after {len(done)} updates")
     updates = [{"trainer": w, "loss": loss, "seconds": t - start} for w, loss, t in done]
     finish(cfg, args, run_dir, model, updates, cfg.global_batch_size // args.workers)
     return 0
+
+
+def give_up(procs: list[Any], heard: dict[int, float], timeout_s: float, when: str) -> int:
+    """One line naming the workers that died or stopped responding; every worker ended."""
+    now, named = time.monotonic(), []
+    for w, p in enumerate(procs):
+        if p.exitcode is not None and p.exitcode != 0:
+            how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with {p.exitcode}"
+            named.append(f"worker {w} (pid {p.pid}) {how}")
+        elif p.exitcode is None and w not in heard:
+            named.append(f"worker {w} (pid {p.pid}) never got ready")
+        elif p.exitcode is None and now - heard[w] > timeout_s:
+            named.append(f"worker {w} (pid {p.pid}) stopped responding (no update for "
+                         f"{now - heard[w]:.0f} s)")
+    log.error("hogwild gave up %s: %s", when, "; ".join(named) or "no worker made an update in time")
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+        p.join(timeout=5)
+    return 1
 
 
 # ------------------------------------------------------------ synchronous: DDP ---
@@ -302,7 +340,7 @@ def records(updates: list[dict[str, Any]], samples_per_update: int, every: int) 
 
 def finish(cfg: Config, args: argparse.Namespace, run_dir: Path, model: ViT, updates: list[dict[str, Any]],
            samples_per_update: int) -> None:
-    """Validate the final weights; write metrics.jsonl and weights.pt."""
+    """Validate the final weights; write weights.pt, then metrics.jsonl (atomically, last)."""
     loader, _, _ = get_data_loader(cfg, "valid", cfg.global_batch_size, False)
     model.eval()
     val = validation.evaluate(model, iter(loader), cfg.n_out_channels, latitude_weights(cfg.img_size[0], CPU))
@@ -313,10 +351,10 @@ def finish(cfg: Config, args: argparse.Namespace, run_dir: Path, model: ViT, upd
     rows[-1].update(val_loss=val["loss"], rmse=val["rmse"], run_seconds=updates[-1]["seconds"],
                     run_samples_per_sec=len(updates) * samples_per_update / updates[-1]["seconds"],
                     updates_by_worker=by_worker)
-    with open(run_dir / "metrics.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
     ckpt.save_atomic({"model": {n: p.detach().clone() for n, p in model.named_parameters()},
                       "step": len(updates)}, run_dir / "weights.pt")
+    # last, and whole or not at all: its presence is what says the run is finished (main)
+    ckpt.write_text_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     for r in rows:
         stale = f", staleness {r['staleness_mean']:.2f} (at most {r['staleness_max']})" \
             if "staleness_mean" in r else ""
@@ -348,9 +386,24 @@ def run_dir_of(cfg: Config, args: argparse.Namespace, world: int) -> Path:
     """logs/CONFIG/MODE/RUN: 'server_2w' (2 trainers), 'hogwild_2w', 'ddp_2w', 'delayed_s3'."""
     workers = {"server": world - 1, "ddp": world}.get(args.mode, args.workers)
     name = f"delayed_s{args.staleness}" if args.mode == "delayed" else f"{args.mode}_{workers}w"
-    if args.slow_rank is not None and args.slow_ms:
+    if args.slow_rank is not None:  # check() made sure it names a worker and slows it
         name += f"_slow{args.slow_rank}"
     return cfg.exp_path / args.config / name / (args.run_num or "00")
+
+
+def ignored_flags(cfg: Config) -> list[str]:
+    """The train.py flags set away from their defaults that no mode here reads: each worker trains
+    the serial model, in fp32 or bf16, one batch per update, unclipped."""
+    kept = {"--tensor_parallel": cfg.tensor_parallel == 1, "--context_parallel": cfg.context_parallel == 1,
+            "--pipeline_parallel": cfg.pipeline_parallel == 1, "--expert_parallel": cfg.expert_parallel == 1,
+            "--data_parallel": cfg.data_parallel == "ddp", "--engine": cfg.engine == "native",
+            "--grad_compression": cfg.grad_compression == "none",
+            "--freeze_schedule": cfg.freeze_schedule == "none",
+            "--grad_accum_steps": cfg.grad_accum_steps == 1,
+            "--grad_clip_norm": cfg.grad_clip_norm == 0, "--enable_jit": not cfg.enable_jit,
+            "--activation_checkpointing": cfg.activation_checkpointing == "none",
+            "--amp_mode fp16": cfg.amp_mode != "fp16"}
+    return [flag for flag, default in kept.items() if not default]
 
 
 def check(cfg: Config, args: argparse.Namespace, world: int) -> None:
@@ -366,8 +419,29 @@ def check(cfg: Config, args: argparse.Namespace, world: int) -> None:
     if workers < 1 or cfg.global_batch_size % workers:
         raise ValueError(f"global_batch_size {cfg.global_batch_size} does not split over {workers} "
                          f"worker(s); choose a number of workers that divides it")
-    if args.staleness < 0 or args.log_every < 1 or args.slow_ms < 0:
+    if args.staleness < 0 or args.log_every < 1 or not 0 <= args.slow_ms < math.inf:
         raise ValueError("--staleness and --slow_ms must be 0 or more, --log_every at least 1")
+    if args.staleness and args.mode != "delayed":
+        raise ValueError(f"--staleness sets the delayed mode's fixed staleness; --mode {args.mode} has the "
+                         f"staleness its timing gives: leave it out")
+    if args.mode == "delayed" and args.staleness >= cfg.num_iters:
+        raise ValueError(f"--staleness {args.staleness} is not below the run's {cfg.num_iters} updates: "
+                         f"every gradient would be at the first weights")
+    if (args.slow_rank is None) != (args.slow_ms == 0):
+        raise ValueError("--slow_rank and --slow_ms make one worker a straggler: give both, or neither")
+    ranks = {"hogwild": range(args.workers), "locked": range(args.workers), "ddp": range(world),
+             "server": range(1, world), "delayed": range(0)}[args.mode]
+    if args.slow_rank is not None and args.slow_rank not in ranks:
+        which = f"{ranks.start} .. {ranks.stop - 1}" if len(ranks) else "none: it runs in one process"
+        raise ValueError(f"--slow_rank {args.slow_rank} is no worker of --mode {args.mode} (its workers: "
+                         f"{which})")
+    unused = ignored_flags(cfg)
+    if unused:
+        raise ValueError(f"scripts/async_sgd.py trains the serial model in each worker: {', '.join(unused)} "
+                         f"would be ignored; leave {'it' if len(unused) == 1 else 'them'} out")
+    data = Path(cfg.data_dir) / "train"
+    if not data.is_dir():
+        raise ValueError(f"{data} does not exist: pass --data_dir, the folder with train/, valid/ and stats/")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,5 +462,6 @@ def main(argv: list[str] | None = None) -> int:
     if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         setup_logging(0, run_dir / "out.log")
-    log.info("%s on %d process(es): %s", args.mode, max(env.world_size, args.workers), run_dir)
+    processes = {"hogwild": args.workers, "locked": args.workers, "delayed": 1}.get(args.mode, env.world_size)
+    log.info("%s on %d process(es): %s", args.mode, processes, run_dir)
     return exit_now(RUNS[args.mode](cfg, args, run_dir))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ class Group:
             if not _type_ok(value, hints[f.name]):
                 raise ValueError(f"config key '{f.name}' must be {_type_name(hints[f.name])}, got {value!r}; "
                                  f"fix it in the YAML file or on the command line")
+            if isinstance(value, float) and not math.isfinite(value):  # inf and nan pass every < or >
+                raise ValueError(f"config key '{f.name}' must be a finite number, got {value}")
             if "choices" in f.metadata and value not in f.metadata["choices"]:
                 raise ValueError(f"config key '{f.name}' is {value!r}; choose one of "
                                  f"{', '.join(f.metadata['choices'])}")
@@ -390,6 +393,9 @@ class ParallelConfig(Group):
             (self.pipeline_schedule != "1f1b" and self.pipeline_parallel < 2,
              f"--pipeline_schedule {self.pipeline_schedule} orders a pipeline's micro-batches",
              "--pipeline_parallel 2 or more"),
+            (self.weight_stashing != "stash" and self.pipeline_schedule != "async_1f1b",
+             f"--weight_stashing {self.weight_stashing} picks the weights of the asynchronous pipeline's "
+             f"backward", "--pipeline_schedule async_1f1b"),
         ]
         for bad, what, use in unused:
             if bad:
