@@ -104,6 +104,9 @@ class Heartbeat:
         self.reported: float | None = None  # the phase (its start) the watchdog has diagnosed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        # torchrun starts its ranks in sessions of their own: killed, it leaves them running on
+        # (and, waiting for each other, they would never end); the heartbeat watches for it
+        self.launcher = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
 
     def start(self) -> Heartbeat:
         self._write()
@@ -126,12 +129,26 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
+            if self.launcher is not None and os.getppid() != self.launcher:
+                self.launcher_gone()
             try:
                 self._write()
-            except Exception:  # the store went away (the job is ending): stop quietly
+            except Exception:  # the store went away (the job is ending, or torchrun with it)
+                if self.launcher is not None and not self._stop.wait(self.period_s) \
+                        and os.getppid() != self.launcher:
+                    self.launcher_gone()
                 return
             if self.stuck():
                 self.watch()
+
+    def launcher_gone(self) -> None:
+        """torchrun died (killed, or its node lost it): this rank ends at once, in one line. Its
+        last checkpoint is whole (they are written atomically), so the run can be started again."""
+        log.error("rank %d: its launcher (torchrun, pid %d) is gone: stopping at step %d; the last "
+                  "checkpoint written is complete", self.rank, self.launcher, self.step)
+        for handler in logging.getLogger().handlers:  # flushed, not closed: other threads may log
+            handler.flush()
+        os._exit(1)
 
     def stuck(self) -> bool:
         """Whether this rank has been in one phase of a training step for longer than the watchdog

@@ -215,3 +215,58 @@ def test_a_stopped_or_killed_hogwild_worker_is_named_and_the_run_ends(how, yaml,
             state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}").exists() else "X"
             assert state in ("Z", "X"), (pid, state)
     assert not list(tmp_path.glob("tiny/hogwild_2w/*/metrics.jsonl"))
+
+
+def _rank_pid(marker: str, rank: int) -> int | None:
+    """The pid of the torchrun rank ``rank`` whose command line contains ``marker``."""
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_text() and \
+                    f"\0RANK={rank}\0" in "\0" + (proc / "environ").read_text():
+                return int(proc.name)
+    return None
+
+
+@pytest.mark.parametrize("role", [0, 1], ids=["server", "trainer"])
+def test_a_stopped_server_or_trainer_is_named_and_the_job_ends(role, yaml, data_dir, tmp_path):
+    """SIGSTOP of the server (rank 0) or of its trainer (rank 1): the other rank's collective gives up
+    at --collective_timeout_s and names the stopped one in a line (the heartbeat), no traceback; the
+    job ends (torchrun ends the stopped rank) within the timeout and a margin (about 45 s here)."""
+    import os
+    import signal
+    import time
+
+    args = train_args(yaml, data_dir, tmp_path, num_iters=4000, global_batch_size=BATCH, **SGD)
+    args = [a for a in args if not a.startswith("--checkpoint_every")]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT,
+               *args, "--mode", "server", "--collective_timeout_s", "5"]
+    env = subprocess_env(fast_start=False, PYTHONUNBUFFERED="1")  # the ranks are torchrun's own processes
+    proc = subprocess.Popen(command, cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, pid = time.monotonic() + 60, None
+        while pid is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            pid = _rank_pid(str(tmp_path), role)
+        assert pid, "the rank did not start"
+        time.sleep(2.0)  # updates under way
+        os.kill(pid, signal.SIGSTOP)
+        sent = time.monotonic()
+        try:
+            out, _ = proc.communicate(timeout=5 + 120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0]
+            raise AssertionError(f"the job did not end:\n{out[-3000:]}") from None
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    other = 1 - role
+    # no traceback of the project's code (torchrun prints its own summary of the failed ranks)
+    ours = [f'File "{REPO / part}' for part in ("training", "distributed", "scripts", "utils")]
+    assert proc.returncode != 0 and not any(o in out for o in ours), out[-3000:]
+    assert f"rank {other} gave up at step" in out and f"rank {role} stopped responding" in out, out[-3000:]
+    assert took < 5 + 90, took  # the timeout, the diagnosis, torchrun's 30 s before it kills the stopped one

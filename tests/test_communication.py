@@ -6,9 +6,11 @@ the course check, tests/test_readme.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -428,3 +430,46 @@ def test_every_group_a_run_makes_has_the_runs_timeout():
     waited = dict(re.findall(r"^(\w+) waited ([\d.]+) s$", out, re.M))
     assert set(waited) == {"tp", "dp", "ep", "dp_shard"}, out[-3000:]
     assert all(timeout_s <= float(s) < timeout_s + 5 for s in waited.values()), waited
+
+
+@pytest.mark.timeout(180)
+def test_ranks_end_with_their_launcher(data_dir, tmp_path):
+    """kill -9 of torchrun: its ranks, in sessions of their own, would train on (and, once one is
+    gone, wait for each other for ever); each one's heartbeat sees its parent gone and ends it
+    within a few seconds, in one line."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, subprocess_env
+    from tests.ddp_helpers import train_args, write_test_yaml
+
+    yaml = write_test_yaml(tmp_path / "ViT.yaml")
+    args = train_args(yaml, data_dir, tmp_path / "logs", num_iters=100000, checkpoint_every=0)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = subprocess_env(fast_start=False, PYTHONUNBUFFERED="1")  # the ranks are torchrun's own children
+    proc = subprocess.Popen([*launch, str(REPO / "train.py"), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, ranks = [], []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "steps per epoch" in line:
+                break
+        for p in Path("/proc").iterdir():  # the ranks: train.py processes whose parent is torchrun
+            with contextlib.suppress(OSError, ValueError):
+                parent = int((p / "stat").read_text().rsplit(") ", 1)[1].split()[1])
+                if p.name.isdigit() and parent == proc.pid:
+                    ranks.append(int(p.name))
+        assert len(ranks) == 2, "".join(lines)[-3000:]
+        proc.kill()  # the launcher only
+        killed = time.monotonic()
+        rest = proc.stdout.read()  # until every rank has closed its end of the pipe
+        took = time.monotonic() - killed
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    out = "".join(lines) + rest
+    assert out.count("its launcher (torchrun, pid") == 2, out[-3000:]
+    assert took < 20, took

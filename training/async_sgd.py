@@ -49,7 +49,7 @@ import torch.multiprocessing as mp
 from torch.nn.utils import parameters_to_vector
 
 from distributed import param_server
-from distributed.env import all_reduce_sum, init_distributed, parse_env
+from distributed.env import all_reduce_sum, heartbeat, init_distributed, parse_env
 from networks.vit import ViT, build_vit
 from training import validation
 from training.launcher import arg_parser, exit_now, resolve_config, setup_logging
@@ -248,7 +248,11 @@ def run_server(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
         worker = Worker(cfg, model, batches(cfg, local, len(trainers), rank - 1), slow(args, rank))
         dist.barrier()  # every rank set up: the server's clock starts
 
+        beat, computed = heartbeat(), itertools.count()
+
         def gradient(weights: torch.Tensor) -> tuple[torch.Tensor, float]:
+            if beat is not None:  # where this trainer is, for a diagnosis on another rank
+                beat.mark(next(computed), "a gradient for the server")
             set_flat(params, weights)
             loss = worker.gradient()
             grad = flat_grad(params)
@@ -259,8 +263,11 @@ def run_server(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
         return 0
     optimizer, scheduler = make_optimizer(cfg, params)
     dist.barrier()
+    beat, applied = heartbeat(), itertools.count()
 
     def apply(grad: torch.Tensor) -> torch.Tensor:
+        if beat is not None:
+            beat.mark(next(applied), "serving updates")
         set_flat(params, grad, grad=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -464,4 +471,13 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(0, run_dir / "out.log")
     processes = {"hogwild": args.workers, "locked": args.workers, "delayed": 1}.get(args.mode, env.world_size)
     log.info("%s on %d process(es): %s", args.mode, processes, run_dir)
-    return exit_now(RUNS[args.mode](cfg, args, run_dir))
+    try:
+        code = RUNS[args.mode](cfg, args, run_dir)
+    except Exception as err:  # a collective that gave up (a rank stopped or died): say who, in a line
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        log.error("rank %d: --mode %s stopped: %s", env.rank, args.mode, first[:300])
+        beat = heartbeat()
+        if beat is not None:
+            log.error("%s", beat.diagnosis())
+        code = 1
+    return exit_now(code)
