@@ -78,6 +78,21 @@ def test_refusals_are_one_line(cfg_factory):
         GraphStep.check(cfg_factory(grad_clip_norm=1.0), RunContext(device=CPU, run_dir=None), 4)
 
 
+def nccl_only_groups(monkeypatch) -> list:
+    """Collectives that refuse anything but a "cuda" tensor, as an NCCL group does, on this rank's
+    GPU 0: the groups they were called on are listed in the list returned."""
+    seen = []
+
+    def nccl_only_all_reduce(t, group=None):
+        if t.device.type != "cuda":
+            raise RuntimeError(f"No backend type associated with device type {t.device.type}")
+        seen.append(group)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", nccl_only_all_reduce)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return seen
+
+
 def test_offloaded_gradients_are_summed_on_the_groups_device(monkeypatch):
     """FSDP's CPU offload keeps gradient shards in host memory while the process groups are
     NCCL's, which has no backend for a CPU tensor. Faked on a CPU: the tensors are fake ones
@@ -91,15 +106,7 @@ def test_offloaded_gradients_are_summed_on_the_groups_device(monkeypatch):
     from distributed.mesh import ParallelMesh
     from distributed.tags import tag
 
-    seen = []
-
-    def nccl_only_all_reduce(t, group=None):
-        if t.device.type != "cuda":
-            raise RuntimeError(f"No backend type associated with device type {t.device.type}")
-        seen.append(group)
-
-    monkeypatch.setattr(clipping.dist, "all_reduce", nccl_only_all_reduce)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # this rank's GPU
+    seen = nccl_only_groups(monkeypatch)
     mesh = ParallelMesh(sizes={"tp": 2, "cp": 1, "dp": 1, "pp": 2}, groups={"tp": "tp", "pp": "pp"},
                         device_mesh=SimpleNamespace(device_type="cuda"))
     with FakeTensorMode():

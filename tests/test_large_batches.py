@@ -141,17 +141,10 @@ def test_lamb_sums_offloaded_norms_on_the_groups_device(monkeypatch):
     from distributed import lamb
     from distributed.mesh import ParallelMesh
     from distributed.tags import tag
+    from tests.test_clipping import nccl_only_groups
 
-    seen = []
-
-    def nccl_only_all_reduce(t, group=None):
-        if t.device.type != "cuda":
-            raise RuntimeError(f"No backend type associated with device type {t.device.type}")
-        seen.append(group)
-
-    monkeypatch.setattr(lamb.dist, "all_reduce", nccl_only_all_reduce)
+    seen = nccl_only_groups(monkeypatch)
     monkeypatch.setattr(lamb, "is_sharded", lambda p: hasattr(p, "placements"))  # FSDP's DTensors
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     mesh = ParallelMesh(sizes={"tp": 2, "cp": 1, "dp": 2}, groups={"tp": "tp", "dp": "dp"},
                         device_mesh=SimpleNamespace(device_type="cuda"))
     with FakeTensorMode():
