@@ -322,10 +322,9 @@ def release_groups(mesh: ParallelMesh) -> None:
 
 
 def next_mesh(mesh: ParallelMesh, sizes: dict[str, int], order: str, device_type: str) -> ParallelMesh:
-    """The mesh of a layout that changes mid-run (training/freezing.py's re-cut pipeline): ``mesh``
-    itself when the sizes are its own, else a new one, the old one's groups released."""
-    if all(mesh.size(name) == size for name, size in sizes.items()):
-        return mesh
+    """The mesh of a layout that changes mid-run (training/freezing.py's re-cut pipeline), the old
+    one's groups released. New groups even for the same sizes: a pipeline re-cut over the groups
+    of the one before it waits for ever (torch's pipelining keeps state of its own per group)."""
     release_groups(mesh)
     return build_mesh(sizes, order, device_type)
 

@@ -139,8 +139,8 @@ def straggler(args: argparse.Namespace) -> list[dict[str, Any]]:
         for slow_ms in (0.0, args.slow_ms):
             name = f"{mode}_slow{slow_ms:g}"
             print(f"  {name}", flush=True)
-            flags = [f"--mode={mode}", f"--num_iters={args.sgd_updates}", f"--log_every={args.sgd_updates}",
-                     f"--slow_rank={slowed}", f"--slow_ms={slow_ms}"]
+            flags = [f"--mode={mode}", f"--num_iters={args.sgd_updates}", f"--log_every={args.sgd_updates}"]
+            flags += [f"--slow_rank={slowed}", f"--slow_ms={slow_ms}"] if slow_ms else []
             flags += ["--workers=2"] if mode == "hogwild" else []
             folder, logged = sgd_run(args, ranks, name, flags)
             last = logged[-1]

@@ -431,7 +431,6 @@ def _next_mesh() -> None:
     from distributed import mesh as meshes
 
     mesh = meshes.build_mesh({"pp": 2}, "tp-cp-dp", "cpu")
-    assert meshes.next_mesh(mesh, {"tp": 1, "cp": 1, "pp": 2}, "tp-cp-dp", "cpu") is mesh  # re-cut stages
     destroyed, real = [], (dist.get_backend, dist.destroy_process_group)
     dist.get_backend = lambda group: "nccl"  # as on GPUs
     dist.destroy_process_group = destroyed.append
@@ -445,7 +444,7 @@ def _next_mesh() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_layout_change_keeps_the_mesh_it_can_and_releases_the_one_it_cannot():
-    """Freezing re-cuts the pipeline: the same sizes keep the same process groups; new sizes make new
-    groups, and the old NCCL groups (communicators with GPU buffers) are destroyed, not leaked."""
+def test_a_layout_change_releases_the_groups_it_leaves():
+    """Freezing re-cuts the pipeline and may shrink it: the new layout gets new groups, and the old
+    NCCL groups (communicators with GPU buffers) are destroyed, not leaked (gloo's: shown as NCCL)."""
     run_ranks(2, _next_mesh)

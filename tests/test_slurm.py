@@ -138,9 +138,18 @@ def test_srun_gives_its_tasks_the_steps_gpus_whatever_the_batch_script_exported(
     assert lines == ["all 0 0,1,2,3", "all 1 0,1,2,3", "own 0 0", "own 1 1"], out
 
 
-def test_profiling_without_nsys_is_a_one_line_error(slurm, tmp_path):
-    job = submit(slurm, "submit_pm.sh", ["--config=tiny"], tmp_path, ["-n", "1"],
+def test_profiling_without_nsys_is_a_one_line_error(slurm, data_dir, tmp_path):
+    job = submit(slurm, "submit_pm.sh", ["--config=tiny"], tmp_path, ["-n", "1"], DATADIR=str(data_dir),
                  ENABLE_PROFILING="1", PROFILE_OUTPUT="p", PATH="/usr/bin:/bin")
     info = slurm.wait(job, JOB_TIMEOUT)
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0")
     assert "error: ENABLE_PROFILING=1 needs Nsight Systems (nsys) on PATH" in job_output(tmp_path, job)
+
+
+def test_a_missing_data_folder_fails_the_job_in_one_line_before_srun(slurm, tmp_path):
+    job = submit(slurm, "submit_pm.sh", ["--config=tiny"], tmp_path, ["-n", "1"],
+                 DATADIR=str(tmp_path / "purged"))
+    info = slurm.wait(job, JOB_TIMEOUT)
+    out = job_output(tmp_path, job)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), out[-2000:]
+    assert f"error: DATADIR={tmp_path / 'purged'} has no train/ folder" in out and "+ srun" not in out
