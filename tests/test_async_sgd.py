@@ -249,6 +249,9 @@ def test_a_stopped_server_or_trainer_is_named_and_the_job_ends(role, yaml, data_
             time.sleep(0.5)
             pid = _rank_pid(str(tmp_path), role)
         assert pid, "the rank did not start"
+        while time.monotonic() < deadline and not any(  # the process group up (rank 0 logs after it)
+                "process(es)" in log.read_text() for log in tmp_path.glob("tiny/*/*/out.log")):
+            time.sleep(0.5)
         time.sleep(2.0)  # updates under way
         os.kill(pid, signal.SIGSTOP)
         sent = time.monotonic()
