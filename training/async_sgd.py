@@ -193,6 +193,14 @@ def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
     return 0
 
 
+def process_state(pid: int) -> str:
+    """The process's state letter from Linux's /proc (T: stopped), or "" where it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def give_up(procs: list[Any], heard: dict[int, float], timeout_s: float, when: str) -> int:
     """One line naming the workers that died or stopped responding; every worker ended."""
     now, named = time.monotonic(), []
@@ -203,8 +211,11 @@ def give_up(procs: list[Any], heard: dict[int, float], timeout_s: float, when: s
         elif p.exitcode is None and w not in heard:
             named.append(f"worker {w} (pid {p.pid}) never got ready")
         elif p.exitcode is None and now - heard[w] > timeout_s:
-            named.append(f"worker {w} (pid {p.pid}) stopped responding (no update for "
-                         f"{now - heard[w]:.0f} s)")
+            # a frozen worker may hold the update counter's lock: the others then wait for it
+            frozen = process_state(p.pid) == "T"
+            how = "is stopped (SIGSTOP, or a debugger)" if frozen else "stopped responding"
+            named.append(f"worker {w} (pid {p.pid}) {how} (no update for {now - heard[w]:.0f} s)")
+    named.sort(key=lambda line: "stopped responding" in line or "never got ready" in line)  # causes first
     log.error("hogwild gave up %s: %s", when, "; ".join(named) or "no worker made an update in time")
     for p in procs:
         if p.exitcode is None:
