@@ -227,16 +227,15 @@ def _rank_pid(marker: str, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("role", [0, 1], ids=["server", "trainer"])
-def test_a_stopped_server_or_trainer_is_named_and_the_job_ends(role, yaml, data_dir, tmp_path):
-    """SIGSTOP of the server (rank 0) or of its trainer (rank 1): the other rank's collective gives up
-    at --collective_timeout_s, names the stopped one in a line (the heartbeat), without a traceback,
-    and ends. (torchrun then kills the stopped rank 30 s after its SIGTERM; the test does it at once.)"""
+def _stop_a_rank(role: int, yaml: Path, data_dir: Path, folder: Path) -> tuple[int, str, float]:
+    """A server with one trainer over torchrun; SIGSTOP of rank ``role`` once updates run. The exit
+    status and output of the job, and the seconds until the other rank ended. (torchrun kills the
+    stopped rank 30 s after its SIGTERM; here it is killed once the other has ended.)"""
     import os
     import signal
     import time
 
-    args = train_args(yaml, data_dir, tmp_path, num_iters=4000, global_batch_size=BATCH, **SGD)
+    args = train_args(yaml, data_dir, folder, num_iters=4000, global_batch_size=BATCH, **SGD)
     args = [a for a in args if not a.startswith("--checkpoint_every")]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT,
                *args, "--mode", "server", "--collective_timeout_s", "5"]
@@ -248,10 +247,10 @@ def test_a_stopped_server_or_trainer_is_named_and_the_job_ends(role, yaml, data_
         deadline = time.monotonic() + 60
         while None in pids and time.monotonic() < deadline:
             time.sleep(0.5)
-            pids = [_rank_pid(str(tmp_path), r) for r in (0, 1)]
+            pids = [_rank_pid(str(folder), r) for r in (0, 1)]
         assert None not in pids, "the ranks did not start"
         while time.monotonic() < deadline and not any(  # the process group up (rank 0 logs after it)
-                "process(es)" in log.read_text() for log in tmp_path.glob("tiny/*/*/out.log")):
+                "process(es)" in log.read_text() for log in folder.glob("tiny/*/*/out.log")):
             time.sleep(0.5)
         time.sleep(2.0)  # updates under way
         os.kill(pids[role], signal.SIGSTOP)
@@ -266,11 +265,25 @@ def test_a_stopped_server_or_trainer_is_named_and_the_job_ends(role, yaml, data_
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, TypeError):
                 os.kill(pid, signal.SIGKILL)
+    return proc.returncode, out, took
+
+
+def test_a_stopped_server_or_trainer_is_named_and_the_job_ends(yaml, data_dir, tmp_path):
+    """SIGSTOP of the server (rank 0), and in another job at the same time of a trainer (rank 1):
+    the other rank's collective gives up at --collective_timeout_s, names the stopped one in a line
+    (the heartbeat), without a traceback, and ends."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(_stop_a_rank, role, yaml, data_dir, tmp_path / f"stop{role}") for role in (0, 1)]
+        results = [job.result() for job in jobs]
     # no traceback of the project's code (torchrun prints its own summary of the failed ranks)
     ours = [f'File "{REPO / part}' for part in ("training", "distributed", "scripts", "utils")]
-    assert proc.returncode != 0 and not any(o in out for o in ours), out[-3000:]
-    assert f"rank {1 - role} gave up at step" in out and f"rank {role} stopped responding" in out, out[-3000:]
-    assert took < 5 + 30, took  # the timeout, then the diagnosis (a few heartbeats)
+    for role, (code, out, took) in enumerate(results):
+        assert code != 0 and not any(o in out for o in ours), out[-3000:]
+        named = f"rank {1 - role} gave up at step" in out and f"rank {role} stopped responding" in out
+        assert named, out[-3000:]
+        assert took < 5 + 30, took  # the timeout, then the diagnosis (a few heartbeats)
 
 
 def _state(pid: int) -> str:
