@@ -96,13 +96,16 @@ def test_ctrl_c_checkpoints_and_exits_without_a_traceback(data_dir, tmp_path):
 
     args = train_args(write_test_yaml(tmp_path / "t.yaml"), data_dir, tmp_path / "logs",
                       num_iters=6, stop_check_every=1)
-    env = subprocess_env(DDP_TEST_SIGNAL_AT="0:2", DDP_TEST_SIGNAL="INT", DDP_TEST_SIGNAL_TWICE="1")
+    marker = tmp_path / ".stopped-1"  # scripts/slurm_common.sh's: the batch script requeues on it
+    env = subprocess_env(DDP_TEST_SIGNAL_AT="0:2", DDP_TEST_SIGNAL="INT", DDP_TEST_SIGNAL_TWICE="1",
+                         TRAINING_STOPPED_FILE=str(marker))
     result = subprocess.run([sys.executable, str(REPO / "tests" / "ddp_worker.py"), *args], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=100)
     assert result.returncode == preemption.EXIT_STOPPED, result.stderr[-2000:]
     assert "Traceback" not in result.stderr + result.stdout
     assert "stop signal (SIGINT): stopping at step 3 of 6" in result.stdout
     assert torch.load(run_dir(tmp_path / "logs", 1) / "checkpoint.pt", weights_only=False)["step"] == 3
+    assert marker.read_text() == "step 3\n"  # written once the checkpoint is
 
 
 def test_loader_workers_survive_a_stop_signal(cfg_factory, handlers):
