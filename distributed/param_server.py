@@ -46,17 +46,20 @@ class Update:
 
 
 def serve(weights: torch.Tensor, apply: Callable[[torch.Tensor], torch.Tensor], trainers: list[int],
-          updates: int) -> list[Update]:
+          updates: int, done: list[Update] | None = None,
+          after: Callable[[int, list[Update]], None] | None = None) -> list[Update]:
     """The server: send ``weights`` (version 0) to every trainer, then apply ``updates`` gradients
     in the order they arrive (``apply(gradient)`` returns the new flat weights), answering each
     sender with the new weights; once they are all applied, answer each trainer's next gradient
-    with STOP (unused). Returns the log of every gradient received, in order."""
-    start = time.perf_counter()
+    with STOP (unused). Returns the log of every gradient received, in order. A resumed server is
+    given the log it checkpointed (``done``): the versions go on from there. ``after(applied,
+    log)`` follows each update (the checkpoints)."""
+    log: list[Update] = list(done or [])
+    applied, running = len(log), len(trainers)  # a checkpoint's log holds applied updates only
+    start = time.perf_counter() - (log[-1].seconds if log else 0.0)
     for rank in trainers:
-        _send(weights, 0, rank)
+        _send(weights, applied, rank)
     header, grad = torch.empty(2, dtype=torch.float64), torch.empty_like(weights)
-    log: list[Update] = []
-    applied, running = 0, len(trainers)
     while running:
         src = dist.recv(header, tag=HEADER)  # any trainer: the first to finish
         dist.recv(grad, src=src, tag=PAYLOAD)
@@ -66,6 +69,8 @@ def serve(weights: torch.Tensor, apply: Callable[[torch.Tensor], torch.Tensor], 
         seconds = time.perf_counter() - start
         log.append(Update(src, version, applied - version, loss, seconds, applied < updates))
         applied = min(applied + 1, updates)
+        if after is not None and log[-1].applied:
+            after(applied, log)
         if log[-1].applied and applied < updates:
             _send(weights, applied, src)
         else:

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for its packages
+
 # settings that say nothing about the mathematics of a run
 IGNORED = {"expdir", "data_dir", "checkpoint_every", "num_data_workers", "stop_check_every"}
 

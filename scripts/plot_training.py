@@ -16,6 +16,8 @@ from pathlib import Path
 
 DEFAULT_CHANNELS = ("u10m", "t2m", "z500")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for its packages
+
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """The run's epochs (scripts/instruments.py), or a one-line error."""

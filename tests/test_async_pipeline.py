@@ -13,6 +13,7 @@ exactly.
 from __future__ import annotations
 
 import copy
+import random
 import shutil
 from collections import deque
 from pathlib import Path
@@ -222,6 +223,7 @@ def test_without_stashing_the_weights_are_another_rule(vit_and_batches):
     ({"activation_checkpointing": "full"}, "already recomputes"),
     ({"tensor_parallel": 2}, "does not run --tensor_parallel"),
     ({"weight_stashing": "2bw", "pipeline_parallel": 4, "num_microbatches": 2}, "num_microbatches 2 < 3"),
+    ({"checkpoint_every": 30}, "checkpoint only where it drains, every --async_drain_every 100"),
 ])
 def test_what_the_asynchronous_schedule_refuses(flags, message, data_dir, tmp_path):
     flags = {"pipeline_parallel": 2, **flags}
@@ -230,18 +232,23 @@ def test_what_the_asynchronous_schedule_refuses(flags, message, data_dir, tmp_pa
 
 
 def test_the_loss_is_shared_before_the_loop_reads_it():
-    """The steps after which the loop reads its loss sum: epoch ends (every 5 steps here), a
-    checkpoint (every 4), the stop agreement's reads (a step after each of its questions, every
-    10) and the last (12); a checkpoint with a loss still unshared is refused."""
+    """The steps after which the loop reads its loss sum: epoch ends (every 5 steps here), the
+    drains (every 4: the only places for a checkpoint or a stop), the stop agreement's reads (a
+    step after each of its questions, every 10) and the last (12); a checkpoint with a loss still
+    unshared, or where the pipeline did not drain, is refused."""
     from types import SimpleNamespace
 
     from training.async_pipeline import AsyncPipelineState, AsyncPipelineStep
 
-    cfg = SimpleNamespace(stop_check_every=10, num_iters=12, checkpoint_every=4)
+    cfg = SimpleNamespace(stop_check_every=10, num_iters=12, async_drain_every=4)
     step = AsyncPipelineStep(SimpleNamespace(cfg=cfg, train_data=SimpleNamespace(batches_per_epoch=5)))
     assert [d for d in range(1, 13) if step.loss_read_after(d)] == [1, 4, 5, 8, 10, 11, 12]
+    assert [d for d in range(1, 13) if step.may_stop_after(d)] == [4, 8, 12]
     trainer = SimpleNamespace(model=SimpleNamespace(unshared=[object()]))
     with pytest.raises(RuntimeError, match="not shared"):
+        AsyncPipelineState(trainer).state_dict()
+    trainer = SimpleNamespace(step=5, model=SimpleNamespace(unshared=[], engine=SimpleNamespace(flights=[1])))
+    with pytest.raises(RuntimeError, match="does not drain"):
         AsyncPipelineState(trainer).state_dict()
 
 
@@ -260,7 +267,8 @@ def test_one_pipeline_only():
 MP = {"DDP_TEST_MODEL_PARALLEL": "1"}
 STASHED = {"pipeline_parallel": 2, "pipeline_schedule": "async_1f1b", "weight_stashing": "stash",
            "num_microbatches": 1, "optimizer_type": "SGD", "momentum": 0.0, "lr": LR,
-           "lr_schedule": "constant", "limit_nsamples": 16, "limit_nsamples_val": 8, "checkpoint_every": 3}
+           "lr_schedule": "constant", "limit_nsamples": 16, "limit_nsamples_val": 8, "checkpoint_every": 3,
+           "async_drain_every": 3}
 
 
 @pytest.fixture(scope="module")
@@ -330,3 +338,32 @@ def test_a_checkpoint_drains_and_resumes_exactly(stashed_run, data_dir, deep_yam
     want = torch.load(stashed_run / CHECKPOINT_NAME, weights_only=False)["model"]
     assert all(torch.equal(got[n], want[n]) for n in want)
     assert torch.load(tmp_path / "at_step_3.pt", weights_only=False)["step"] == 3
+
+
+def test_a_stop_signal_at_any_step_resumes_exactly(stashed_run, data_dir, deep_yaml, tmp_path):
+    """SIGUSR1 to a random rank during a random step: the ranks agree a step later (a check every
+    step) and stop where the pipeline next drains (step 3, or the end at 6), with a checkpoint;
+    the run again, with no interval checkpoints this time (--checkpoint_every may change on a
+    rerun): the uninterrupted run's losses and weights to the bit. Neither the signal nor the
+    checkpoints moved a drain."""
+    rank, step = random.randrange(2), random.randrange(5)
+    flags = {"stop_check_every": 1, "checkpoint_every": 0}
+    stopped = run(2, train_args(deep_yaml, data_dir, tmp_path, **{**STASHED, **flags}), timeout=240, **MP,
+                  DDP_TEST_SIGNAL_AT=f"{rank}:{step}")
+    out = stopped.stdout + stopped.stderr
+    folder = tmp_path / "tiny" / "2GPU_tp1_cp1_dp1_pp2" / "00"
+    where = f"signal to rank {rank} in step {step + 1}"
+    if step + 2 <= 3:  # agreed after step + 2: the next drain is step 3
+        assert stopped.returncode != 0 and "stopping at step 3 of 6" in out, (where, out[-3000:])
+        deferred = "the asynchronous pipeline stops where it next drains, at step 3"
+        assert (deferred in out) == (step + 2 < 3), where  # agreed after step 2: it waits a step
+        assert torch.load(folder / CHECKPOINT_NAME, weights_only=False)["step"] == 3, where
+        ok(run(2, train_args(deep_yaml, data_dir, tmp_path, **{**STASHED, **flags}), timeout=240, **MP))
+    else:  # agreed after step 4 or 5: the next drain is the end
+        ok(stopped)
+    resumed, whole = metrics(folder), metrics(stashed_run)
+    losses = [[(m["step"], m["train_loss"]) for m in ms] for ms in (resumed, whole)]
+    assert losses[0] == losses[1], where
+    got = torch.load(folder / CHECKPOINT_NAME, weights_only=False)["model"]
+    want = torch.load(stashed_run / CHECKPOINT_NAME, weights_only=False)["model"]
+    assert all(torch.equal(got[n], want[n]) for n in want), where

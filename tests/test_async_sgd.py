@@ -153,20 +153,20 @@ def test_a_finish_cut_short_leaves_no_finished_run(monkeypatch, tmp_path):
     run killed in between can be run again instead of being refused as finished without weights."""
     from types import SimpleNamespace
 
-    from training import async_sgd
+    from training import async_checkpoint as saves
 
-    monkeypatch.setattr(async_sgd, "get_data_loader", lambda *a, **k: ([], None, None))
-    monkeypatch.setattr(async_sgd.validation, "evaluate", lambda *a, **k: {"loss": 1.0, "rmse": {}})
+    monkeypatch.setattr(saves, "get_data_loader", lambda *a, **k: ([], None, None))
+    monkeypatch.setattr(saves.validation, "evaluate", lambda *a, **k: {"loss": 1.0, "rmse": {}})
 
     def killed(state, path):
         raise RuntimeError("killed while writing weights.pt")
 
-    monkeypatch.setattr(async_sgd.ckpt, "save_atomic", killed)
+    monkeypatch.setattr(saves.ckpt, "save_atomic", killed)
     cfg = SimpleNamespace(global_batch_size=2, n_out_channels=1, img_size=(4, 8))
     args = SimpleNamespace(log_every=1, mode="server")
     updates = [{"trainer": 1, "loss": 0.5, "seconds": 1.0}]
     with pytest.raises(RuntimeError, match="killed"):
-        async_sgd.finish(cfg, args, tmp_path, torch.nn.Linear(2, 2), updates, 2)
+        saves.finish(cfg, args, tmp_path, torch.nn.Linear(2, 2), updates, 2)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -290,3 +290,90 @@ def _state(pid: int) -> str:
     with contextlib.suppress(OSError):
         return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0]
     return "X"
+
+
+def _killed_then_resumed(ranks: int, mode: str, yaml: Path, data_dir: Path, expdir: Path, *flags: str,
+                         steps: int = STEPS, within: float = 0.5) -> tuple[Path, str]:
+    """The run with a checkpoint every 4 updates, one worker slowed (100 ms a batch), killed with
+    SIGKILL (every process of it) at a random moment up to ``within`` seconds after its first
+    checkpoint, then run again with the same command to its end. The run folder and what the
+    second run printed."""
+    import os
+    import random
+    import re
+    import signal
+    import time
+
+    args = train_args(yaml, data_dir, expdir, num_iters=steps, global_batch_size=BATCH, **SGD)
+    args = [a for a in args if not a.startswith("--checkpoint_every")]
+    args += ["--log_every=4", "--checkpoint_every=4", "--mode", mode, "--slow_ms", "100", *flags]
+    launch = [sys.executable] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    env = subprocess_env(fast_start=ranks == 1, PYTHONUNBUFFERED="1")  # torchrun's ranks: its own
+    proc = subprocess.Popen(launch + [SCRIPT, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    folder, pids, out = None, [], ""
+    try:
+        deadline = time.monotonic() + 120
+        while folder is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+            folder = next((c.parent for c in expdir.glob(f"tiny/{mode}_*/00/checkpoint.pt")), None)
+        assert folder is not None, proc.communicate()[0][-3000:]
+        time.sleep(random.uniform(0.0, within))
+        if ranks == 1:  # Hogwild: the parent and its workers (it logged their pids)
+            pids = [proc.pid] + [int(p) for p in re.findall(r"\d+", re.search(
+                r"workers' pids: ([\d ]+)", (folder / "out.log").read_text()).group(1))]
+        else:
+            pids = [proc.pid] + [p for r in range(ranks) if (p := _rank_pid(str(expdir), r))]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out = proc.communicate(timeout=30)[0]
+        assert not (folder / "metrics.jsonl").exists(), "the run ended before it was killed"
+    finally:
+        proc.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    again = subprocess.run(launch + [SCRIPT, *args], cwd=REPO, env=subprocess_env(), capture_output=True,
+                           text=True, timeout=240)
+    ok(again)
+    printed = again.stdout + again.stderr
+    assert re.search(r"resuming from .*checkpoint\.pt after \d+ updates", printed), printed[-3000:]
+    return folder, printed
+
+
+@pytest.mark.parametrize("ranks, mode, flags", [(2, "server", ["--slow_rank", "1"]),
+                                                (1, "locked", ["--workers", "1", "--slow_rank", "0"])])
+def test_one_worker_killed_and_resumed_is_serial_sgd_to_the_bit(ranks, mode, flags, serial, yaml, data_dir,
+                                                                 tmp_path):
+    """A parameter server with one trainer, and Hogwild with one worker, killed with kill -9 at a
+    random moment after a checkpoint and run again: train.py's serial weights to the bit (the
+    weights, the optimizer, the schedule and the trainer's place in its data came back)."""
+    folder, _ = _killed_then_resumed(ranks, mode, yaml, data_dir, tmp_path, *flags)
+    got = weights(folder)
+    assert all(torch.equal(got[n], serial[n]) for n in serial)
+    assert [m["step"] for m in metrics(folder)] == [4, 8, 12]
+
+
+@pytest.mark.parametrize("ranks, mode, flags", [(3, "server", ["--slow_rank", "1"]),
+                                                (1, "hogwild", ["--workers", "2", "--slow_rank", "0"])])
+def test_two_workers_killed_and_resumed_continue_the_saved_log(ranks, mode, flags, yaml, data_dir, tmp_path):
+    """Two trainers (two Hogwild workers), kill -9 at a random moment after a checkpoint, run again:
+    the run ends with its 48 updates (the unslowed worker makes most, fast), the checkpoint's log
+    continued; the server's whole log, replayed in this process, gives its weights to the bit."""
+    from training.async_sgd import replay
+
+    steps = 48
+    folder, _ = _killed_then_resumed(ranks, mode, yaml, data_dir, tmp_path, *flags, steps=steps, within=0.1)
+    saved = torch.load(folder / CHECKPOINT_NAME, weights_only=False)
+    assert sum(metrics(folder)[-1]["updates_by_worker"].values()) == steps
+    if mode != "server":
+        return
+    log = json.loads((folder / "updates.json").read_text())
+    assert [[u["trainer"], u["version"]] for u in saved["log"]] == [u[:2] for u in log[:len(saved["log"])]]
+    cfg = make_cfg(data_dir, tmp_path, global_batch_size=BATCH, num_iters=steps, warmup=0,
+                   **{k: v for k, v in SGD.items() if k != "limit_nsamples_val"})
+    model, _ = replay(cfg, [(t, v) for t, v, _, used in log if used], trainers=2)
+    got = weights(folder)
+    assert all(torch.equal(p.detach(), got[n]) for n, p in model.named_parameters())

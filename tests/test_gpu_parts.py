@@ -582,13 +582,13 @@ def test_freezing_with_ddp_and_its_cache(setup, tmp_path, request, record_proper
 # SGD at a constant rate, one micro-batch per step: the asynchronous rule's own test setting
 ASYNC = {"pipeline_parallel": 2, "pipeline_schedule": "async_1f1b", "weight_stashing": "stash",
          "num_microbatches": 1, "optimizer_type": "SGD", "momentum": 0.0, "lr": 0.05,
-         "lr_schedule": "constant", "checkpoint_every": 3}
+         "lr_schedule": "constant", "checkpoint_every": 3, "async_drain_every": 3}
 
 
 def test_asynchronous_pipeline_on_two_gpus(setup, tmp_path, request, record_property):
     """Part 13 on GPUs: the asynchronous 1F1B with weight stashing on 2 stages over NCCL (each
-    pair of neighbours exchanges one group of messages per micro-batch; a checkpoint at step 3
-    drains the pipeline), against the same run on the CPU over gloo, whose rule the CPU suite
+    pair of neighbours exchanges one group of messages per micro-batch; the pipeline drains at
+    step 3, with a checkpoint), against the same run on the CPU over gloo, whose rule the CPU suite
     proves (tests/test_async_pipeline.py). Tolerance 1e-3: the two devices sum in other orders."""
     where(request)
     cpu_env = subprocess_env(fast_start=False)

@@ -30,6 +30,8 @@ import pytest
 
 from scripts.code_ranges import CODE_RANGE, span
 from scripts.make_synthetic_era5 import generate
+from scripts.page_figures import FIGURES, Figure
+from scripts.page_figures import check as figure_check
 from tests.conftest import REPO, subprocess_env
 from utils.config import DEFAULT_YAML, available_configs, load_config
 
@@ -156,6 +158,7 @@ class Runner:
         self.tmp = tmp
         self.data: dict[tuple[int, int], Path] = {}
         self.seconds: list[tuple[float, str]] = []  # each command's run time (shown with -s)
+        self.outputs: list[str] = []  # what the commands printed since the last clear()
         self.slurm_conf: str | None = None  # the configuration of the local Slurm a page started
 
     def data_for(self, config: str) -> Path:
@@ -177,6 +180,7 @@ class Runner:
         result = subprocess.run(words, cwd=REPO, env=subprocess_env(**env), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, timeout=timeout)
         self.seconds.append((time.monotonic() - start, " ".join(words)))
+        self.outputs.append(result.stdout)
         assert result.returncode == 0, (words, result.stdout[-5000:])
         return result.stdout
 
@@ -602,6 +606,32 @@ def test_code_range_references_are_found_across_line_breaks():
     assert CODE_RANGE.findall(text) == [("a/b.py", "3", "9", "`f`,\n  `g`"), ("c.py", "1", "2", "`h`")]
 
 
+def walk_figures(page: Path, cmd: Command) -> list[Figure]:
+    """The figures of the page, independent of the run's length, that this command prints."""
+    return [f for f in FIGURES if f.walk and f.page == page.stem and f.command == cmd.text]
+
+
+def test_figures_are_on_their_pages_and_the_walk_runs_their_commands():
+    """Each figure of scripts/page_figures.py is in its page's "What you should see"; one the walk
+    checks is printed by a command of the page's bash blocks."""
+    for fig in FIGURES:
+        page = DOCS / f"{fig.page}.md"
+        seen = page.read_text().split("## What you should see", 1)[1].split("\n## ", 1)[0]
+        assert " ".join(fig.text.split()) in " ".join(seen.split()), f"{page.name} does not show {fig.text!r}"
+        if fig.walk:
+            assert fig.command in [c.text for c in readme_commands(page.read_text(), page.name)], \
+                f"{fig.command!r} is not a command of {page.name}: the walk would not check {fig.text!r}"
+
+
+def test_a_figure_the_command_no_longer_prints_fails():
+    fig = Figure("05-model-parallel", "python x.py", r'"saved_MiB": ([\d.]+)', "| tp = 4 | 1.14 | [9.07] |")
+    assert figure_check(fig, '{"saved_MiB": 9.0712}') is None
+    assert "says 9.07" in figure_check(fig, '{"saved_MiB": 9.0812}')
+    assert "printed nothing" in figure_check(fig, "other output")
+    millions = Figure("01", "c", r"(\d+) parameters", "([0.89]M", scale=1e-6)
+    assert figure_check(millions, "892096 parameters") is None
+
+
 def page_id(page: Path) -> str:
     return page.stem
 
@@ -620,7 +650,7 @@ def course_runner(tmp_path_factory) -> Runner:
 def test_page_in_order(page, course_runner):
     """The page's commands, after those of the pages before it (the tests run in the pages'
     order on one worker): a command that collides with an earlier one of any page fails."""
-    left_out = COURSE_PLAN
+    left_out, wrong = COURSE_PLAN, []
     if left_out and os.environ.get("REQUIRE_DEEPSPEED"):
         pytest.fail("REQUIRE_DEEPSPEED is set but DeepSpeed is not installed: run make deepspeed")
     for cmd in [c for c in COMMANDS if c.page == page.relative_to(REPO).as_posix()]:
@@ -635,13 +665,17 @@ def test_page_in_order(page, course_runner):
             warnings.warn(f"course check left out {cmd.where}: {cmd.text[:100]}: {left_out[cmd]}",
                           stacklevel=1)
             continue
+        course_runner.outputs.clear()
         try:
             check(cmd, course_runner)
         except AssertionError as err:
             raise AssertionError(f"{cmd.where}: {cmd.text}\n{err}") from None
+        printed = "\n".join(course_runner.outputs)
+        wrong += [problem for fig in walk_figures(page, cmd) if (problem := figure_check(fig, printed))]
     for seconds, words in course_runner.seconds:
         print(f"{seconds:6.1f} s  {words[:160]}")
     course_runner.seconds.clear()
+    assert not wrong, "figures of the page that the commands no longer print:\n" + "\n".join(wrong)
 
 
 @pytest.mark.slow

@@ -71,6 +71,9 @@ def check(cfg: Config, args: argparse.Namespace, world: int) -> None:
     if args.mode == "delayed" and args.staleness >= cfg.num_iters:
         raise ValueError(f"--staleness {args.staleness} is not below the run's {cfg.num_iters} updates: "
                          f"every gradient would be at the first weights")
+    if getattr(args, "checkpoint_every", None) and args.mode in ("ddp", "delayed"):  # given, not configured
+        raise ValueError(f"--checkpoint_every: --mode {args.mode} keeps no checkpoint (the server and "
+                         f"Hogwild do); leave it out")
     if (args.slow_rank is None) != (args.slow_ms == 0):
         raise ValueError("--slow_rank and --slow_ms make one worker a straggler: give both, or neither")
     ranks = {"hogwild": range(args.workers), "locked": range(args.workers), "ddp": range(world),

@@ -10,10 +10,13 @@ What changes against training/pipelined.py's flushed pipeline:
 - nothing makes the stages wait for each other between steps: the last stage's loss reaches
   the others without waiting, and the loop is given it (summed) only where it reads its sum
   (:meth:`AsyncPipelineStep.loss_read_after`), once every few steps;
-- a checkpoint first drains the pipeline (every micro-batch in flight through its backward and
-  update), then is written as a flushed pipeline's: consolidated, in the serial model's names.
-  A resumed run starts with an empty pipeline, as the run it continues did after the drain, so
-  it continues exactly.
+- the pipeline drains (every micro-batch in flight through its backward and update) after every
+  ``--async_drain_every`` steps and at the end, and nowhere else: the drains are part of the
+  update rule. A checkpoint is written only there (``--checkpoint_every`` must be a multiple),
+  and a stop signal ends training at the next drain (:meth:`AsyncPipelineStep.may_stop_after`),
+  so neither moves a drain. The checkpoint is a flushed pipeline's: consolidated, in the serial
+  model's names. A resumed run starts with an empty pipeline, as the run it continues did after
+  the drain, so it continues exactly.
 """
 
 from __future__ import annotations
@@ -35,19 +38,22 @@ log = logging.getLogger(__name__)
 
 
 class AsyncPipelineState(PipelineState):
-    """A flushed pipeline's checkpoint, written after the drain."""
+    """A flushed pipeline's checkpoint, written where the pipeline drained."""
 
     def state_dict(self) -> dict[str, Any]:
         model = self.trainer.model
         if model.unshared:  # the loop's part of this checkpoint holds a loss sum without them
             raise RuntimeError("a checkpoint after a step whose loss was not shared: "
                                "AsyncPipelineStep.loss_read_after must name this step")
-        model.drain()
+        if model.engine.flights:  # a drain here would change the update rule
+            raise RuntimeError(f"a checkpoint at step {self.trainer.step}, where the pipeline does not "
+                               f"drain: AsyncPipelineStep.may_stop_after must name this step")
         return super().state_dict()
 
 
 class AsyncPipelineStep(PipelineStep):
     state_class = AsyncPipelineState
+    stop_deferred = False  # a stop signal came between two drains (logged once)
 
     @classmethod
     def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
@@ -80,11 +86,29 @@ class AsyncPipelineStep(PipelineStep):
         with dev.nvtx_range("asynchronous pipeline"), self.compute():
             # the stage's updates happen inside (stage_update)
             loss = t.model.step(inp, tar, share=self.loss_read_after(t.step + 1))
+            if self.drains_after(t.step + 1):
+                t.model.drain()
         with warnings.catch_warnings():  # the schedule follows the training steps, which the first
             # stages' warm-up takes before their first update: torch's warning is for a mistake
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
             t.scheduler.step()
         return loss
+
+    def drains_after(self, done: int) -> bool:
+        """The pipeline drains after ``done`` steps: every ``--async_drain_every`` and at the end."""
+        cfg = self.trainer.cfg
+        return done % cfg.async_drain_every == 0 or done >= cfg.num_iters
+
+    def may_stop_after(self, done: int) -> bool:
+        """Training stops for a signal only where the pipeline drains (a drain elsewhere would change
+        the update rule: the resumed run would not be the uninterrupted one)."""
+        if not self.drains_after(done) and not self.stop_deferred:
+            self.stop_deferred = True
+            cfg = self.trainer.cfg
+            every = cfg.async_drain_every
+            log.warning("stop signal at step %d: the asynchronous pipeline stops where it next drains, "
+                        "at step %d", done, min(cfg.num_iters, -(-done // every) * every))
+        return self.drains_after(done)
 
     def loss_read_after(self, done: int) -> bool:
         """Whether the loop reads the losses it added up after ``done`` steps: at an epoch's end, a
@@ -92,8 +116,7 @@ class AsyncPipelineStep(PipelineStep):
         asks every ``stop_check_every`` steps and reads the answer a step later)."""
         cfg = self.trainer.cfg
         every = cfg.stop_check_every
-        return (done % self.trainer.train_data.batches_per_epoch == 0 or done >= cfg.num_iters
-                or bool(cfg.checkpoint_every) and done % cfg.checkpoint_every == 0
+        return (done % self.trainer.train_data.batches_per_epoch == 0 or self.drains_after(done)
                 or every == 1 or done % every == 1)
 
     def held_bytes(self) -> dict[str, int]:

@@ -24,7 +24,8 @@ Each run writes RUN_DIR/metrics.jsonl (a record per ``--log_every`` updates: upd
 training loss, samples/s, staleness; the last also the validation loss), RUN_DIR/weights.pt
 (the final weights) and, for the server, RUN_DIR/updates.json (each gradient's trainer, version,
 staleness and whether it was applied, in the order received: :func:`replay` reproduces the run
-from it).
+from it). The server and Hogwild write a checkpoint every ``--checkpoint_every`` updates and
+resume from it (training/async_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import queue
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +53,16 @@ from torch.nn.utils import parameters_to_vector
 from distributed import param_server
 from distributed.env import all_reduce_sum, heartbeat, init_distributed, parse_env
 from networks.vit import ViT, build_vit
-from training import validation
+from training import async_checkpoint as saves
 from training.async_args import check, parser, run_dir_of
 from training.launcher import exit_now, resolve_config, setup_logging
 from training.schedule import make_lr_lambda
 from training.trainer import optimizer_choice
 from utils import attention
-from utils import checkpoint as ckpt
 from utils import device as dev
 from utils.config import Config
 from utils.data_loader import get_data_loader
-from utils.metrics import latitude_weights, relative_l2_loss
+from utils.metrics import relative_l2_loss
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +83,17 @@ def make_optimizer(cfg: Config, params: Any) -> tuple[torch.optim.Optimizer, Any
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, make_lr_lambda(cfg.optim))
 
 
-def batches(cfg: Config, local_batch: int, shards: int = 1, shard: int = 0) -> Iterator[Any]:
+def batches(cfg: Config, local_batch: int, shards: int = 1, shard: int = 0, skip: int = 0) -> Iterator[Any]:
     """One worker's training batches, epoch after epoch, as train.py's data-parallel rank ``shard``
-    of ``shards`` reads them."""
+    of ``shards`` reads them; a resumed worker ``skip``s those it drew before."""
     loader, _, sampler = get_data_loader(cfg, "train", local_batch, True, num_shards=shards, shard_id=shard)
-    for epoch in itertools.count():
-        sampler.set_epoch(epoch)
-        yield from loader
+
+    def every_epoch() -> Iterator[Any]:
+        for epoch in itertools.count():
+            sampler.set_epoch(epoch)
+            yield from loader
+
+    return itertools.islice(every_epoch(), skip, None)
 
 
 class Worker:
@@ -129,21 +135,33 @@ def set_flat(params: list[torch.nn.Parameter], flat: torch.Tensor, grad: bool = 
 
 # ------------------------------------------------------------ Hogwild, with or without a lock ---
 def hogwild_worker(cfg: Config, model: ViT, rank: int, workers: int, lock: Any, count: Any, results: Any,
-                   ready: Any, slow_s: float) -> None:
+                   ready: Any, pause: saves.HogwildPause, begin: tuple[dict | None, int],
+                   slow_s: float) -> None:
     """One process of a Hogwild run: its own optimizer on the shared weights, its own shard. The
     run's updates are claimed from a shared counter, first come first served (a slow worker
-    makes fewer), whose number also sets the update's learning rate."""
+    makes fewer), whose number also sets the update's learning rate. ``begin``: a resumed
+    worker's optimizer state and the batches it had drawn."""
     torch.set_num_threads(1)
+    parent = os.getppid()
     optimizer, _ = make_optimizer(cfg, model.parameters())
+    if begin[0] is not None:
+        optimizer.load_state_dict(begin[0])
     factor = make_lr_lambda(cfg.optim)
-    worker = Worker(cfg, model, batches(cfg, cfg.global_batch_size // workers, workers, rank), slow_s)
+    data = batches(cfg, cfg.global_batch_size // workers, workers, rank, begin[1])
+    worker = Worker(cfg, model, data, slow_s)
     ready.wait()  # every worker set up: the clock starts
-    while True:
+    while os.getppid() == parent:  # a worker whose parent was killed stops
         with count.get_lock():
-            if count.value >= cfg.num_iters:
-                break
             number = count.value
-            count.value += 1
+            if number >= cfg.num_iters:
+                break
+            due = pause.due(number, cfg.num_iters)
+            count.value += 0 if due else 1
+        if due:  # a checkpoint: every worker waits here until the parent has the weights
+            pause.send(results, rank, optimizer, number)
+            if not pause.wait():
+                return
+            continue
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr * factor(number)
         loss = worker.gradient()
@@ -156,14 +174,20 @@ def hogwild_worker(cfg: Config, model: ViT, rank: int, workers: int, lock: Any, 
 def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
     torch.set_num_threads(1)  # before any work: the workers are forked from this process
     model = build_model(cfg)
+    state = saves.load(run_dir)
+    if state is not None:
+        model.load_state_dict(state.weights)
     model.share_memory()  # the workers' updates land in this process's model
     ctx = mp.get_context("fork")
     lock = ctx.Lock() if args.mode == "locked" else None
-    count, results, ready = ctx.Value("i", 0), ctx.Queue(), ctx.Barrier(args.workers + 1)
+    begun = state.updates if state else 0
+    count, results, ready = ctx.Value("i", begun), ctx.Queue(), ctx.Barrier(args.workers + 1)
+    pause = saves.HogwildPause(ctx, cfg.checkpoint_every, args.workers, begun, cfg.collective_timeout_s)
+    begins = [(state.optimizers[w], state.drawn(w)) if state else (None, 0) for w in range(args.workers)]
     # daemons: a worker left stopped or hung never keeps this process from ending
-    procs = [ctx.Process(target=hogwild_worker, daemon=True,
-                         args=(cfg, model, w, args.workers, lock, count, results, ready, slow(args, w)))
-             for w in range(args.workers)]
+    procs = [ctx.Process(target=hogwild_worker, daemon=True, args=(
+        cfg, model, w, args.workers, lock, count, results, ready, pause, begins[w], slow(args, w)))
+        for w in range(args.workers)]
     for p in procs:
         p.start()
     log.info("hogwild workers' pids: %s", " ".join(str(p.pid) for p in procs))
@@ -171,26 +195,42 @@ def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
         ready.wait(timeout=cfg.collective_timeout_s)
     except threading.BrokenBarrierError:  # a worker did not get ready in time
         return give_up(procs, {}, cfg.collective_timeout_s, "before the first update")
-    start = time.perf_counter()
-    heard = dict.fromkeys(range(len(procs)), time.monotonic())  # each worker's last update
-    done = []
+    start = time.perf_counter() - (state.log[-1]["seconds"] if state else 0.0)
+    heard = dict.fromkeys(range(len(procs)), time.monotonic())  # each worker's last message
+    done = list(state.log) if state else []  # {"trainer", "loss", "seconds"} per update, as they came
+    states: dict[int, dict] = {}  # the workers' optimizers at a checkpoint
     limit = cfg.collective_timeout_s
     while len(done) < cfg.num_iters or any(p.is_alive() for p in procs):
         try:
             item = results.get(timeout=min(1.0, limit))
         except queue.Empty:
             item = None
-        if item is not None:
+        if item is not None and item[0] == "state":
+            heard[item[1]], states[item[1]] = time.monotonic(), item[3]
+            if len(states) == len(procs) and not hogwild_checkpoint(cfg, run_dir, model, pause, states, done):
+                return give_up(procs, heard, limit, f"at the checkpoint after {len(done)} updates")
+        elif item is not None:
             heard[item[0]] = time.monotonic()
-            done.append(item)
+            done.append({"trainer": item[0], "loss": item[1], "seconds": item[2] - start})
         now = time.monotonic()  # a worker that died, or has been silent for the timeout (stopped, hung)
         stuck = [w for w, p in enumerate(procs) if p.exitcode is None and now - heard[w] > limit]
         lost = item is None and len(done) < cfg.num_iters and not any(p.is_alive() for p in procs)
         if stuck or lost or any(p.exitcode not in (None, 0) for p in procs):
             return give_up(procs, heard, limit, f"after {len(done)} updates")
-    updates = [{"trainer": w, "loss": loss, "seconds": t - start} for w, loss, t in done]
-    finish(cfg, args, run_dir, model, updates, cfg.global_batch_size // args.workers)
+    saves.finish(cfg, args, run_dir, model, done, cfg.global_batch_size // args.workers)
     return 0
+
+
+def hogwild_checkpoint(cfg: Config, run_dir: Path, model: ViT, pause: saves.HogwildPause,
+                       states: dict[int, dict], done: list[dict[str, Any]]) -> bool:
+    """Every worker waits with its optimizer's state sent (each sent its updates before it):
+    copy the weights, let the workers go on, write the checkpoint. False if they did not wait."""
+    weights = saves.weights_of(model)
+    if not pause.release(len(done)):
+        return False
+    saves.save(run_dir, saves.AsyncState(weights, [states[w] for w in sorted(states)], list(done)), cfg)
+    states.clear()
+    return True
 
 
 def process_state(pid: int) -> str:
@@ -244,7 +284,7 @@ def run_ddp(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
         updates.append({"trainer": rank, "loss": all_reduce_sum(loss).item() / world,
                         "seconds": time.perf_counter() - start})
     if rank == 0:  # one update of the global batch per step
-        finish(cfg, args, run_dir, model, updates, cfg.global_batch_size)
+        saves.finish(cfg, args, run_dir, model, updates, cfg.global_batch_size)
     return 0
 
 
@@ -252,10 +292,14 @@ def run_ddp(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
 def run_server(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
     rank, trainers = dist.get_rank(), list(range(1, dist.get_world_size()))
     model = build_model(cfg)
+    state = saves.load(run_dir)  # on every rank: a trainer skips the batches it drew
+    if state is not None:
+        model.load_state_dict(state.weights)
     params = list(model.parameters())
     local = cfg.global_batch_size // len(trainers)
     if rank != 0:
-        worker = Worker(cfg, model, batches(cfg, local, len(trainers), rank - 1), slow(args, rank))
+        data = batches(cfg, local, len(trainers), rank - 1, state.drawn(rank) if state else 0)
+        worker = Worker(cfg, model, data, slow(args, rank))
         dist.barrier()  # every rank set up: the server's clock starts
 
         beat, computed = heartbeat(), itertools.count()
@@ -272,6 +316,9 @@ def run_server(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
         param_server.work(parameters_to_vector(params).detach(), gradient)
         return 0
     optimizer, scheduler = make_optimizer(cfg, params)
+    if state is not None:
+        optimizer.load_state_dict(state.optimizers[0])
+        scheduler.load_state_dict(state.schedule)
     dist.barrier()
     beat, applied = heartbeat(), itertools.count()
 
@@ -284,12 +331,19 @@ def run_server(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
         scheduler.step()
         return parameters_to_vector(params).detach()
 
-    received = param_server.serve(parameters_to_vector(params).detach(), apply, trainers, cfg.num_iters)
+    def after(updates: int, received: list[param_server.Update]) -> None:
+        if cfg.checkpoint_every and updates % cfg.checkpoint_every == 0 and updates < cfg.num_iters:
+            saves.save(run_dir, saves.AsyncState(saves.weights_of(model), [optimizer.state_dict()],
+                                                 [asdict(u) for u in received], scheduler.state_dict()), cfg)
+
+    done = [param_server.Update(**u) for u in state.log] if state else None
+    received = param_server.serve(parameters_to_vector(params).detach(), apply, trainers, cfg.num_iters,
+                                  done, after)
     (run_dir / "updates.json").write_text(json.dumps(
         [[u.trainer, u.version, u.staleness, u.applied] for u in received]))
     updates = [{"trainer": u.trainer, "loss": u.loss, "seconds": u.seconds, "staleness": u.staleness}
                for u in received if u.applied]
-    finish(cfg, args, run_dir, model, updates, local)
+    saves.finish(cfg, args, run_dir, model, updates, local)
     return 0
 
 
@@ -328,57 +382,13 @@ def run_delayed(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
     seconds = (time.perf_counter() - start) / len(losses)
     updates = [{"trainer": 1, "loss": loss, "seconds": (i + 1) * seconds, "staleness": min(i, args.staleness)}
                for i, loss in enumerate(losses)]
-    finish(cfg, args, run_dir, model, updates, cfg.global_batch_size)
+    saves.finish(cfg, args, run_dir, model, updates, cfg.global_batch_size)
     return 0
 
 
 # ------------------------------------------------------------ what a run writes ---
 def slow(args: argparse.Namespace, worker: int) -> float:
     return args.slow_ms / 1000 if worker == args.slow_rank else 0.0
-
-
-def records(updates: list[dict[str, Any]], samples_per_update: int, every: int) -> list[dict[str, Any]]:
-    """A metrics record per ``every`` updates (in the order they were applied)."""
-    out, before = [], 0.0
-    for k, first in enumerate(range(0, len(updates), every)):
-        part = updates[first: first + every]
-        seconds = part[-1]["seconds"] - before
-        before = part[-1]["seconds"]
-        record = {"epoch": k + 1, "step": first + len(part),
-                  "train_loss": sum(u["loss"] for u in part) / len(part),
-                  "samples_per_sec": len(part) * samples_per_update / seconds if seconds > 0 else None,
-                  "epoch_seconds": seconds}
-        if "staleness" in part[0]:
-            record["staleness_mean"] = sum(u["staleness"] for u in part) / len(part)
-            record["staleness_max"] = max(u["staleness"] for u in part)
-        out.append(record)
-    return out
-
-
-def finish(cfg: Config, args: argparse.Namespace, run_dir: Path, model: ViT, updates: list[dict[str, Any]],
-           samples_per_update: int) -> None:
-    """Validate the final weights; write weights.pt, then metrics.jsonl (atomically, last)."""
-    loader, _, _ = get_data_loader(cfg, "valid", cfg.global_batch_size, False)
-    model.eval()
-    val = validation.evaluate(model, iter(loader), cfg.n_out_channels, latitude_weights(cfg.img_size[0], CPU))
-    rows = records(updates, samples_per_update, args.log_every)
-    by_worker: dict[str, int] = {}
-    for u in updates:
-        by_worker[str(u["trainer"])] = by_worker.get(str(u["trainer"]), 0) + 1
-    rows[-1].update(val_loss=val["loss"], rmse=val["rmse"], run_seconds=updates[-1]["seconds"],
-                    run_samples_per_sec=len(updates) * samples_per_update / updates[-1]["seconds"],
-                    updates_by_worker=by_worker)
-    ckpt.save_atomic({"model": {n: p.detach().clone() for n, p in model.named_parameters()},
-                      "step": len(updates)}, run_dir / "weights.pt")
-    # last, and whole or not at all: its presence is what says the run is finished (main)
-    ckpt.write_text_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    for r in rows:
-        stale = f", staleness {r['staleness_mean']:.2f} (at most {r['staleness_max']})" \
-            if "staleness_mean" in r else ""
-        rate = f"{r['samples_per_sec']:.1f}" if r["samples_per_sec"] else "-"
-        log.info("updates %d: train loss %.6f, %s samples/s%s", r["step"], r["train_loss"], rate, stale)
-    log.info("%s: %d updates in %.1f s, val loss %.6f; metrics in %s", args.mode, len(updates),
-             updates[-1]["seconds"], val["loss"], run_dir / "metrics.jsonl")
 
 
 # ------------------------------------------------------------ the command line ---
@@ -396,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = run_dir_of(cfg, args, env.world_size)
         if (run_dir / "metrics.jsonl").exists():
             raise ValueError(f"{run_dir} holds a finished run; pass another --run_num")
+        saves.check_resumable(run_dir, cfg)
     except ValueError as err:
         sys.stderr.write(f"error: {err}\n")
         return exit_now(2)

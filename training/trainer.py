@@ -9,15 +9,12 @@ What a later lesson changes is a part the Trainer holds, never a subclass of it:
 * the **step variant** (``step=``), chosen once by the launcher: :class:`EagerStep` here; CUDA
   graphs (training/graphs.py), pipeline stages (training/pipelined.py), DeepSpeed's engine
   (training/deepspeed_engine.py) each extend the step and say what they change;
-* **callbacks** (``callbacks=``, :class:`Callback`): scripts that measure a run and tests that
-  inject faults hook into a few named moments (model built, step start and end, epoch end, fit
-  end);
-* the checkpoint: each part says what it saves and restores (``state_dict`` /
-  ``load_state_dict``), and training/checkpointing.py writes and reads them all at once.
+* **callbacks** (``callbacks=``, :class:`Callback`): scripts and tests hook into a few named
+  moments (model built, step start and end, epoch end, fit end);
+* the checkpoint: each part saves and restores itself, training/checkpointing.py writes them all.
 
-A run on one device builds the serial ViT and torch's optimizer right here. Runs that split the
-model or the data over ranks (or compile it, or recompute activations) hand the serial model to
-distributed/parallelize.py, which the first lesson never imports.
+A run on one device builds the serial ViT and torch's optimizer right here; runs that split (or
+compile) the model hand it to distributed/parallelize.py, which the first lesson never imports.
 """
 
 from __future__ import annotations
@@ -232,6 +229,9 @@ class EagerStep:
     def epoch_record(self) -> dict[str, Any]:  # keys of the epoch's metrics (training/freezing.py)
         return {}
 
+    def may_stop_after(self, done: int) -> bool:  # a stop signal may end training here (async: drains)
+        return True
+
     def next_layout(self) -> dict[str, Any] | None:
         """Config values of the layout the next step needs, if not this one (training/freezing.py)."""
         return None
@@ -290,6 +290,7 @@ class Trainer:
         self.writer: SummaryWriter | None = None
         self.stop_agreement = StopAgreement(self.device, cfg.stop_check_every)
         self.stopped_early = False  # a stop signal ended training before num_iters
+        self.stop_agreed = False  # every rank has agreed to stop, at the next step the variant may
         self.next_layout: dict[str, Any] | None = None  # the layout the run continues in (launcher)
         self._steps_at_start = 0  # the step this process started from (set by fit)
         self.heartbeat = heartbeat()  # where this rank is, for the diagnosis of a hang
@@ -407,7 +408,8 @@ class Trainer:
             self.epoch_steps += 1
             done += 1
             self.mark("stop check")
-            if self.stop_agreement.poll(self.step):
+            self.stop_agreed = self.stop_agreed or self.stop_agreement.poll(self.step)
+            if self.stop_agreed and self.variant.may_stop_after(self.step) and self.step < self.cfg.num_iters:
                 self.stopped_early = True
                 break
             if self.checkpoint_due() and not self.at_epoch_end():  # the epoch's last: after validation

@@ -150,7 +150,7 @@ def check_across(cfg: Config) -> None:
     if layout.pipeline_parallel > 1:
         check_pipeline_fits(model, optim, layout, memory)
     if layout.pipeline_parallel > 1 and layout.pipeline_schedule == "async_1f1b":
-        check_async_pipeline(model, optim, layout, memory)
+        check_async_pipeline(model, optim, layout, memory, cfg.run.checkpoint_every)
     if cfg.freeze.freeze_schedule != "none":
         check_freezing(cfg)
 
@@ -237,12 +237,17 @@ def check_pipeline_fits(model: ModelConfig, optim: OptimizerConfig, layout: Para
 
 
 def check_async_pipeline(model: ModelConfig, optim: OptimizerConfig, layout: ParallelConfig,
-                         memory: MemoryConfig) -> None:
+                         memory: MemoryConfig, checkpoint_every: int = 0) -> None:
     """What the asynchronous schedule (distributed/async_pipeline.py) does not run: each stage
     recomputes its forward in backward (so no dropout, whose masks would differ, and no compile
     or checkpointing of its own), updates at its own time (so no norm over the whole model) and
-    is whole layers (no tensor parallelism); 2BW's two versions need p - 1 micro-batches a step."""
-    pp, m = layout.pipeline_parallel, layout.num_microbatches
+    is whole layers (no tensor parallelism); 2BW's two versions need p - 1 micro-batches a step;
+    a checkpoint is written where the pipeline drains."""
+    pp, m, drain = layout.pipeline_parallel, layout.num_microbatches, layout.async_drain_every
+    if checkpoint_every % drain:
+        raise ValueError(f"--checkpoint_every {checkpoint_every}: the asynchronous pipeline writes a "
+                         f"checkpoint only where it drains, every --async_drain_every {drain} steps; pass a "
+                         f"multiple of {drain} (or 0: at the end)")
     if layout.weight_stashing == "2bw" and m < pp - 1:
         raise ValueError(f"--weight_stashing 2bw keeps two weight versions only with at least "
                          f"pipeline_parallel - 1 micro-batches per step (num_microbatches {m} < {pp - 1}); "

@@ -259,6 +259,9 @@ class ParallelConfig(Group):
                                "PipeDream), vertical (the version the first stage used, on every stage), "
                                "2bw (PipeDream-2BW: the version before the newest, two kept)",
                                choices=WEIGHT_STASHING)
+    async_drain_every: int = key(100, "async_1f1b: steps between the pipeline's drains (every micro-batch "
+                                 "in flight through its update), a part of its update rule: checkpoints "
+                                 "and a stop signal's stop happen only there")
     num_microbatches: int = key(4, "pipeline micro-batches the local batch is split into")
     stages_per_rank: int = key(2, "interleaved_1f1b and zero_bubble: pipeline stages (model chunks) "
                                   "on each rank")
@@ -311,7 +314,7 @@ class ParallelConfig(Group):
                              f"dimension once, separated by '-', fastest-varying first, e.g. 'tp-cp-dp'")
         self.at_least(1, "tensor_parallel", "context_parallel", "pipeline_parallel", "num_microbatches",
                       "stages_per_rank", "rendezvous_timeout_s", "collective_timeout_s", "expert_parallel",
-                      "powersgd_rank")
+                      "powersgd_rank", "async_drain_every")
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"config key 'bucket_cap_mb' must be positive, got {self.bucket_cap_mb}")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -396,6 +399,9 @@ class ParallelConfig(Group):
             (self.weight_stashing != "stash" and self.pipeline_schedule != "async_1f1b",
              f"--weight_stashing {self.weight_stashing} picks the weights of the asynchronous pipeline's "
              f"backward", "--pipeline_schedule async_1f1b"),
+            (self.async_drain_every != 100 and self.pipeline_schedule != "async_1f1b",
+             f"--async_drain_every {self.async_drain_every} spaces the asynchronous pipeline's drains",
+             "--pipeline_schedule async_1f1b"),
         ]
         for bad, what, use in unused:
             if bad:

@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""The figures the pages show under "What you should see", each with the command that prints it,
+and a pass that reruns those commands as written and compares.
+
+    python scripts/page_figures.py                 # every page; a long run (the full trainings)
+    python scripts/page_figures.py --pages 05 06   # some pages
+
+A figure is a number on a page, written in [brackets] in FIGURES below with the page's text
+around it, the command that prints it and where in its output. The number of digits the page
+shows is the rounding: the figure holds if the printed value, rounded so, is what the page says
+(where a figure differs from CPU to CPU, the page shows fewer digits). Figures that do not depend
+on how long the run trains (parameter counts, memory per rank, bytes per step) are also checked
+by the course walk (tests/test_readme.py), which runs every command with few steps; the losses of
+full runs are checked here. The pass writes OUT/figures.json with the machine and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+TRAIN_SCRIPTS = ("train.py", "train_mp.py", "train_graph.py")
+
+
+@dataclass(frozen=True)
+class Figure:
+    page: str  # the page's file name in docs/, without .md
+    command: str  # as the page writes it (the walk checks the figure of a command of a bash block)
+    printed: str  # a regular expression with one group: the value in what the command prints
+    shown: str  # the page's text around the figure, the figure in [brackets]
+    pick: int = 0  # which match of `printed` (-1: the last, as a run's final loss)
+    scale: float = 1.0  # printed value x scale = the page's unit (1e-6: parameters in millions)
+    walk: bool = False  # independent of the run's length: the course walk checks it too
+
+    @property
+    def text(self) -> str:
+        return self.shown.replace("[", "").replace("]", "")
+
+    def on_page(self) -> bool:
+        """The page holds the figure's text (a line break counts as a space)."""
+        words = " ".join((REPO / "docs" / f"{self.page}.md").read_text().split())
+        return " ".join(self.text.split()) in words
+
+    @property
+    def value(self) -> str:
+        return re.search(r"\[([^]]+)]", self.shown).group(1)
+
+
+def rounded(value: float, like: str) -> str:
+    """`value` with as many decimals as the page's `like` has."""
+    decimals = len(like.split(".")[1]) if "." in like else 0
+    return f"{value:.{decimals}f}"
+
+
+def check(figure: Figure, output: str) -> str | None:
+    """None if `output` prints the page's figure; else what is wrong, in one line."""
+    found = re.findall(figure.printed, output)
+    if not found or not -len(found) <= figure.pick < len(found):
+        return (f"{figure.page}: `{figure.command}` printed nothing like {figure.printed!r} "
+                f"for {figure.text!r}")
+    printed = rounded(float(found[figure.pick]) * figure.scale, figure.value)
+    if printed != figure.value:
+        return (f"{figure.page}: {figure.text!r} says {figure.value}, `{figure.command}` printed "
+                f"{printed}: rerun the page's command and update the page")
+    return None
+
+
+TINY = "python train.py --config tiny"
+SP = ("torchrun --standalone --nproc_per_node 2 scripts/mp_memory.py --config tiny --tensor_parallel 2 "
+      "--sequence_parallel")
+TP4 = "torchrun --standalone --nproc_per_node 4 scripts/mp_memory.py --config tiny --tensor_parallel 4"
+CLIP_FSDP = ("torchrun --standalone --nproc_per_node 2 train.py --config tiny_short --data_parallel fsdp "
+             "--grad_clip_norm 0.1 --memory_snapshot --run_num clipped_fsdp")
+HSDP = ("torchrun --standalone --nproc_per_node 4 train.py --config tiny_short --data_parallel hsdp "
+        "--dp_shard 2 --run_num hsdp")
+COMPARE = ("python scripts/compare_runs.py logs/tiny/2GPU/00 logs/tiny/2GPU/bf16 logs/tiny/2GPU/powersgd "
+           "--out logs/plots/compression.png")
+PIPE = ("torchrun --standalone --nproc_per_node 2 train_mp.py --config tiny --pipeline_parallel 2 "
+        "--pipeline_schedule 1f1b --num_microbatches 4")
+VAL, TRAIN, PARAMS = r"Avg val loss=([\d.]+)", r"Avg train loss=([\d.]+)", r"INFO (\d+) parameters"
+MIB = r"Memory per rank \(MiB\): parameters ([\d.]+), gradients ([\d.]+), optimizer ([\d.]+)"
+
+
+def dp_run(ranks: int) -> str:
+    return (f"torchrun --standalone --nproc_per_node={ranks} train.py --config tiny --limit_nsamples 320 "
+            f"--num_iters 60 --run_num {ranks}ranks")
+
+
+def mb_per_step(run: str) -> str:
+    """compare_runs.py's "gradient MB per step" (the column before samples/s) in the run's row."""
+    return rf"(?m)^\| {re.escape(run)} \|.*\| ([\d.]+) \| [\d.]+ \|$"
+
+
+def tp_run(flags: str) -> str:
+    return (f"torchrun --standalone --nproc_per_node 4 train_mp.py --config tiny {flags} --num_iters 40 "
+            f"--limit_nsamples 320")
+
+
+def memory(page: str, command: str, shown: str, kind: int) -> Figure:
+    """One of the trainer's memory line's numbers: 0 parameters, 1 gradients, 2 optimizer."""
+    parts = MIB.split("([\\d.]+)")
+    pattern = "".join(p + ("([\\d.]+)" if i == kind else "[\\d.]+")
+                      for i, p in enumerate(parts[:-1])) + parts[-1]
+    return Figure(page, command, pattern, shown, walk=True)
+
+
+FIGURES = [
+    # page 1: the demo and the three sizes
+    Figure("01-single-device", TINY, PARAMS, "on the 32 x 64 data ([0.89]M parameters)", scale=1e-6,
+           walk=True),
+    Figure("01-single-device", TINY, TRAIN, "Avg train loss=[0.456]"),
+    Figure("01-single-device", TINY, VAL, "Avg val loss=[0.102]"),
+    Figure("01-single-device", TINY, VAL, "| `tiny` | 0.89M | [0.0137] |", pick=-1),
+    Figure("01-single-device", "python train.py --config tiny_small --run_num sizes", PARAMS,
+           "| `tiny_small` | [0.15]M |", scale=1e-6, walk=True),
+    Figure("01-single-device", "python train.py --config tiny_small --run_num sizes", VAL,
+           "| `tiny_small` | 0.15M | [0.0216] |", pick=-1),
+    Figure("01-single-device", "python train.py --config tiny_large --run_num sizes", PARAMS,
+           "| `tiny_large` | [3.36]M |", scale=1e-6, walk=True),
+    Figure("01-single-device", "python train.py --config tiny_large --run_num sizes", VAL,
+           "| `tiny_large` | 3.36M | [0.0101] |", pick=-1),
+    # page 3: the same validation losses on 1, 2 and 4 ranks (epochs 1-3 of 20 steps)
+    *(Figure("03-data-parallel", dp_run(ranks), VAL, shown, pick=i) for ranks in (1, 2, 4)
+      for i, shown in enumerate(["every printed digit, [0.408277]", "0.408277, [0.155965]",
+                                 "0.155965, [0.126401]"])),
+    # page 4: bytes per step of the compressed runs (compare_runs' table), their final losses
+    Figure("04-communication", COMPARE, mb_per_step("2GPU/00"), "| none (part 3's `2GPU/00`) | [3.57] |",
+           walk=True),
+    Figure("04-communication", COMPARE, mb_per_step("bf16"), "| `bf16`, `fp16` | [1.78] |", walk=True),
+    # (PowerSGD sends whole gradients for its first steps: the walk's short runs do not show its bytes)
+    Figure("04-communication", COMPARE, mb_per_step("powersgd"), "| `powersgd` (rank 4) | [0.24] |"),
+    Figure("04-communication", "torchrun --standalone --nproc_per_node 2 train.py --config tiny "
+           "--grad_compression powersgd --run_num powersgd", VAL, "| `powersgd` (rank 4) | 0.24 | [0.0229] |",
+           pick=-1),
+    # page 5: memory per rank (mp_memory.py, exact) and the same losses on every layout
+    Figure("05-model-parallel", SP, r'"parameters_MiB": ([\d.]+)', "| tp = 2, sp (2) | [1.90] |", walk=True),
+    Figure("05-model-parallel", SP, r'"saved_activations_MiB": ([\d.]+)',
+           "| tp = 2, sp (2) | 1.90 | [9.81] |",
+           walk=True),
+    Figure("05-model-parallel", TP4, r'"parameters_MiB": ([\d.]+)', "| tp = 4 (4) | [1.14] |", walk=True),
+    Figure("05-model-parallel", TP4, r'"saved_activations_MiB": ([\d.]+)', "| tp = 4 (4) | 1.14 | [9.07] |",
+           walk=True),
+    *(Figure("05-model-parallel", tp_run(flags), pattern, shown, pick=pick)
+      for flags in ("--tensor_parallel 1", "--tensor_parallel 2", "--tensor_parallel 2 --sequence_parallel",
+                    "--tensor_parallel 2 --context_parallel 2")
+      for pattern, shown, pick in ((TRAIN, "train [0.764634] then", 0), (TRAIN, "then [0.249722]", -1),
+                                   (VAL, "validation [0.408277] then", 0), (VAL, "then [0.209705]", -1))),
+    # page 6: what FSDP and HSDP keep per rank, the clipped runs' losses
+    memory("06-sharding", CLIP_FSDP, "fsdp on 2 ranks keeps [1.9] / 1.9 / 3.5", 0),
+    memory("06-sharding", CLIP_FSDP, "fsdp on 2 ranks keeps 1.9 / [1.9] / 3.5", 1),
+    memory("06-sharding", CLIP_FSDP, "fsdp on 2 ranks keeps 1.9 / 1.9 / [3.5]", 2),
+    memory("06-sharding", HSDP, "hsdp `--dp_shard 2` [1.9] / 1.9 / 3.5", 0),
+    memory("06-sharding", HSDP, "hsdp `--dp_shard 2` 1.9 / 1.9 / [3.5]", 2),
+    Figure("06-sharding", CLIP_FSDP, TRAIN, "| 1 (1-16) | 0.304 / 0.551 | [0.5618] |", pick=0),
+    Figure("06-sharding", CLIP_FSDP, VAL, "| 2 (17-32) | 0.130 / 0.156 | 0.2414 | [0.2493] |", pick=-1),
+    # page 7: the pipeline's split, logged as the run starts
+    Figure("07-pipeline-parallel", PIPE, r"1f1b schedule, (\d+) micro-batches",
+           "1f1b schedule, [4] micro-batches",
+           walk=True),
+]
+
+
+def machine() -> str:
+    from utils.device import cpu_description
+
+    return cpu_description()
+
+
+def run(command: str, tmp: Path) -> str:
+    """The command as written, its logs/ paths and run folders inside `tmp`."""
+    words = shlex.split(command)
+    env = {}
+    while "=" in words[0] and words[0].split("=")[0].isupper():
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    if words[0] == "python":
+        words[0] = sys.executable
+    elif words[0] == "torchrun":
+        words[:1] = [sys.executable, "-m", "torch.distributed.run"]
+    words = [str(tmp / w) if w.startswith("logs/") else w for w in words]
+    if any(w.endswith(TRAIN_SCRIPTS) for w in words):
+        words += ["--expdir", str(tmp / "logs")]
+    result = subprocess.run(words, cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"error: `{command}` failed:\n{result.stdout[-2000:]}")
+    return result.stdout
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pages", nargs="+", default=None, help="page numbers (01 ... 13); default all")
+    parser.add_argument("--out", type=Path, default=Path("logs/figures"))
+    args = parser.parse_args(argv)
+    chosen = [f for f in FIGURES if args.pages is None or f.page[:2] in args.pages]
+    if not chosen:
+        raise SystemExit(f"error: no figures on pages {args.pages}; the pages are 01 to 13")
+    results, outputs = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for figure in chosen:
+            if figure.command not in outputs:
+                print(f"running: {figure.command}", flush=True)
+                outputs[figure.command] = run(figure.command, Path(tmp))
+            problem = check(figure, outputs[figure.command]) if figure.on_page() else \
+                f"{figure.page}: the page no longer says {figure.text!r}: update FIGURES in {__file__}"
+            results.append({**asdict(figure), "problem": problem})
+            print(problem or f"ok: {figure.page}: {figure.text}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine(), "date": datetime.date.today().isoformat(), "figures": results}
+    (args.out / "figures.json").write_text(json.dumps(report, indent=1))
+    bad = [r for r in results if r["problem"]]
+    print(f"{len(results) - len(bad)} of {len(results)} figures hold on {report['machine']}; "
+          f"report in {args.out / 'figures.json'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
