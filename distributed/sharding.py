@@ -93,6 +93,12 @@ def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimize
 
         whole = mesh.size("tp") == 1 and not fsdp_active(layout, mesh)  # ZeRO-1 steps whole tensors
         options = {**options, "sum_squares": local_sum_squares if whole else split_sum_squares(mesh)}
+    if getattr(optimizer_class, "averages_momentum", False):  # 1-bit Adam: DDP's hook, then its own average
+        from distributed import onebit_adam
+
+        optimizer = optimizer_class(model.parameters(), group=mesh.dp_group, **options)
+        onebit_adam.register(model, optimizer, mesh.dp_group)
+        return optimizer
     if zero1_active(layout, mesh):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 

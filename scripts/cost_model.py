@@ -537,6 +537,15 @@ def collectives(m: Model, lay: Layout, pp_rank: int = 0) -> dict[str, tuple[int,
     return out
 
 
+def onebit_bytes_per_step(n: int, ranks: int) -> int:
+    """What 1-bit Adam (distributed/onebit_adam.py) hands its collectives in a step after its
+    warm-up, on one of ``ranks`` ranks, for ``n`` parameters: its signs (8 to a byte, each rank's
+    chunk padded to whole bytes) to the all-to-all, its chunk of the average's signs to the
+    all-gather, two fp32 scales. Adam's all-reduce takes 4 n."""
+    chunk = 8 * math.ceil(n / (8 * ranks))
+    return ranks * chunk // 8 + chunk // 8 + 2 * 4
+
+
 def ddp_buckets(nbytes: int, cap_mb: float = 25.0) -> int:
     """DDP's all-reduce calls per step: buckets of cap_mb (DDP rebuilds its buckets in the order
     of the first backward; a bucket closes at the first tensor that takes it past the cap)."""

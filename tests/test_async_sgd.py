@@ -312,7 +312,7 @@ def _killed_then_resumed(ranks: int, mode: str, yaml: Path, data_dir: Path, expd
     env = subprocess_env(fast_start=ranks == 1, PYTHONUNBUFFERED="1")  # torchrun's ranks: its own
     proc = subprocess.Popen(launch + [SCRIPT, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    folder, pids, out = None, [], ""
+    folder, pids = None, []
     try:
         deadline = time.monotonic() + 120
         while folder is None and time.monotonic() < deadline and proc.poll() is None:
@@ -328,7 +328,7 @@ def _killed_then_resumed(ranks: int, mode: str, yaml: Path, data_dir: Path, expd
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        out = proc.communicate(timeout=30)[0]
+        proc.communicate(timeout=30)
         assert not (folder / "metrics.jsonl").exists(), "the run ended before it was killed"
     finally:
         proc.kill()

@@ -55,18 +55,20 @@ def optimizer_choice(cfg: Config,
                      kernel: dict[str, bool]) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The optimizer class ``optimizer_type`` names and its settings. ``kernel``: Adam's, AdamW's
     and SGD's implementation (fused or foreach, utils/device.py:adam_kernel)."""
-    name = cfg.optimizer_type
+    name, adam = cfg.optimizer_type, {"lr": cfg.lr, "betas": cfg.adam_betas}
     if name == "LAMB":  # the project's own (distributed/lamb.py): its norms may span the ranks' parts
         from distributed.lamb import Lamb
 
-        return Lamb, {"lr": cfg.lr, "betas": cfg.adam_betas, "weight_decay": cfg.weight_decay}
+        return Lamb, {**adam, "weight_decay": cfg.weight_decay}
+    if name == "OneBitAdam":  # the project's own (distributed/onebit_adam.py), over the dp ranks
+        from distributed.onebit_adam import OneBitAdam
+
+        return OneBitAdam, {**adam, "warmup_steps": cfg.onebit_warmup_steps, **kernel}
     if name == "SGD":
         return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
                                  **kernel}
-    if name == "AdamW":
-        return torch.optim.AdamW, {"lr": cfg.lr, "betas": cfg.adam_betas, "weight_decay": cfg.weight_decay,
-                                   **kernel}
-    return torch.optim.Adam, {"lr": cfg.lr, "betas": cfg.adam_betas, **kernel}
+    weight_decay = {"weight_decay": cfg.weight_decay} if name == "AdamW" else {}
+    return (torch.optim.AdamW if name == "AdamW" else torch.optim.Adam), {**adam, **weight_decay, **kernel}
 
 
 def needs_parallelize(cfg: Config, ctx: RunContext) -> bool:
@@ -236,9 +238,7 @@ class EagerStep:
         """Config values of the layout the next step needs, if not this one (training/freezing.py)."""
         return None
 
-    # the part of a checkpoint that holds the model and the optimizer: consolidated whole tensors
-    # (training/state.py); a variant that holds them otherwise brings its own
-    state_class: type[ModelState] = ModelState
+    state_class: type[ModelState] = ModelState  # the checkpoint's model and optimizer (training/state.py)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

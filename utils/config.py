@@ -147,6 +147,8 @@ def check_across(cfg: Config) -> None:
             if bad:
                 raise ValueError(message)
     check_experts(model, layout)
+    if optim.optimizer_type == "OneBitAdam":
+        check_onebit(cfg)
     if layout.pipeline_parallel > 1:
         check_pipeline_fits(model, optim, layout, memory)
     if layout.pipeline_parallel > 1 and layout.pipeline_schedule == "async_1f1b":
@@ -234,6 +236,30 @@ def check_pipeline_fits(model: ModelConfig, optim: OptimizerConfig, layout: Para
         raise ValueError("the zero_bubble schedule splits each backward into its input and weight "
                          "parts, which torch.compile'd blocks do not allow; use --no-enable_jit or "
                          "another schedule")
+
+
+def check_onebit(cfg: Config) -> None:
+    """1-bit Adam averages whole momenta over replicated data-parallel ranks (DDP)."""
+    optim, layout = cfg.optim, cfg.layout
+    refused = [
+        (layout.data_parallel != "ddp", f"--data_parallel {layout.data_parallel} (its optimizer state is "
+                                        f"sharded; 1-bit Adam averages whole momenta: use ddp)"),
+        (layout.tensor_parallel > 1 or layout.context_parallel > 1 or layout.pipeline_parallel > 1
+         or layout.expert_parallel > 1, "model parallelism (tensor-parallel slices, sequence shards, "
+                                        "stages and experts need their own gradient sums; use data "
+                                        "parallelism alone)"),
+        (optim.amp_mode == "fp16", "--amp_mode fp16 (its loss scaler skips steps by the gradients, which "
+                                   "the ranks no longer share; use bf16)"),
+        (layout.grad_compression != "none", f"--grad_compression {layout.grad_compression} (1-bit Adam "
+                                            f"compresses the momentum itself)"),
+        (optim.grad_clip_norm > 0, "--grad_clip_norm (after the warm-up each rank has its own gradient)"),
+        (layout.engine != "native" or layout.noddp, "--engine deepspeed or --noddp (it is DDP's hook)"),
+        (cfg.freeze.freeze_schedule != "none", "--freeze_schedule (the frozen parameters leave its "
+                                               "flat momentum)"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"--optimizer OneBitAdam does not run with {what}")
 
 
 def check_async_pipeline(model: ModelConfig, optim: OptimizerConfig, layout: ParallelConfig,

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 AMP_MODES = ("none", "fp16", "bf16")
 DATA_LOADERS = ("pytorch", "dali")
 LR_SCHEDULES = ("cosine", "constant", "onecycle")
-OPTIMIZERS = ("Adam", "AdamW", "LAMB", "SGD")
+OPTIMIZERS = ("Adam", "AdamW", "LAMB", "SGD", "OneBitAdam")  # OneBitAdam: distributed/onebit_adam.py
 DATA_PARALLEL = ("ddp", "zero1", "fsdp", "hsdp")
 GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 ENGINES = ("native", "deepspeed")  # deepspeed: training/deepspeed_engine.py
@@ -193,10 +193,11 @@ class OptimizerConfig(Group):
     onecycle_pct_start: float = key(0.3, "onecycle: fraction of the steps spent rising to lr")
     onecycle_div_factor: float = key(25.0, "onecycle: the first learning rate is lr / this")
     onecycle_final_div_factor: float = key(1e4, "onecycle: the last learning rate is the first / this")
-    optimizer_type: str = key("Adam", "optimizer: Adam, AdamW (decoupled weight decay), LAMB (Adam with "
-                                      "a trust ratio per tensor, for large batches) or SGD (with momentum)",
+    optimizer_type: str = key("Adam", "optimizer: Adam, AdamW (decoupled weight decay), LAMB (a trust ratio "
+                                      "per tensor), SGD (with momentum) or OneBitAdam (1-bit momenta)",
                               choices=OPTIMIZERS, aliases=("--optimizer",))
     adam_betas: tuple[float, float] = key(ADAM_BETAS, "Adam's beta1 and beta2 (AdamW and LAMB too)")
+    onebit_warmup_steps: int = key(100, "OneBitAdam: steps of plain Adam before the momentum is compressed")
     weight_decay: float = key(0.0, "AdamW and LAMB: decoupled weight decay; SGD: L2 penalty")
     momentum: float = key(0.9, "SGD: momentum")
     grad_clip_norm: float = key(0.0, "clip the global norm of the whole model's gradient to this "
@@ -210,7 +211,7 @@ class OptimizerConfig(Group):
     enable_jit: bool = key(False, "torch.compile the model and loss (--no-enable_jit to switch off)")
 
     def check(self) -> None:
-        self.at_least(1, "num_iters", "global_batch_size", "local_batch_size")
+        self.at_least(1, "num_iters", "global_batch_size", "local_batch_size", "onebit_warmup_steps")
         self.at_least(0, "warmup", "grad_clip_norm")
         if self.lr <= 0:
             raise ValueError(f"config key 'lr' must be positive, got {self.lr}")
