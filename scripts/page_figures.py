@@ -144,6 +144,12 @@ FIGURES = [
     Figure("04-communication", "torchrun --standalone --nproc_per_node 2 train.py --config tiny "
            "--grad_compression powersgd --run_num powersgd", VAL, "| `powersgd` (rank 4) | 0.24 | [0.0229] |",
            pick=-1),
+    # page 4: 1-bit Adam's final losses (the walk's 2 steps are all warm-up: Adam's bytes)
+    Figure("04-communication", "torchrun --standalone --nproc_per_node 2 train.py --config tiny --optimizer "
+           "OneBitAdam --onebit_warmup_steps 32 --run_num onebit32", VAL, "| `onebit32` | 0.17 | [0.0336] |",
+           pick=-1),
+    Figure("04-communication", "torchrun --standalone --nproc_per_node 2 train.py --config tiny --optimizer "
+           "OneBitAdam --run_num onebit100", VAL, "| `onebit100` | 0.17 | [0.0185] |", pick=-1),
     # page 5: memory per rank (mp_memory.py, exact) and the same losses on every layout
     Figure("05-model-parallel", SP, r'"parameters_MiB": ([\d.]+)', "| tp = 2, sp (2) | [1.90] |", walk=True),
     Figure("05-model-parallel", SP, r'"saved_activations_MiB": ([\d.]+)',

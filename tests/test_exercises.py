@@ -21,7 +21,7 @@ from utils.data_loader import ERA5Dataset
 VARIANT = os.environ.get("EXERCISE_VARIANT", "solution")
 NAMES = ("sample_index", "amp_step", "allreduce_grads", "compress_hook", "tp_mlp", "tp_mlp_split",
          "grad_accum", "pipeline_balance", "lamb_trust", "dispatch", "zero_memory", "activation_memory",
-         "freeze_schedule", "pipedream_planner")
+         "freeze_schedule", "pipedream_planner", "onebit_compress")
 
 
 def exercise(name: str, variant: str = VARIANT):
@@ -52,7 +52,8 @@ def test_shipped_exercises_are_unsolved(name, tmp_path):
     module = shipped_exercise(name, tmp_path)
     functions = ("locate", "amp_step", "average_gradients", "bf16_hook", "shard_mlp", "tp_mlp_forward",
                  "accumulate_gradients", "balance_stages", "lamb_update", "dispatch_plan",
-                 "zero_bytes_per_rank", "block_activation_bytes", "frozen_after", "plan_pipeline")
+                 "zero_bytes_per_rank", "block_activation_bytes", "frozen_after", "plan_pipeline",
+                 "compress_with_feedback")
     fn = next(getattr(module, f) for f in functions if hasattr(module, f))
     with pytest.raises(NotImplementedError, match="exercise"):
         fn(*([None] * fn.__code__.co_argcount))
@@ -490,6 +491,35 @@ def test_lamb_trust():
                 w - lr * (w.norm() / direction.norm()) * direction - lr * wd * w,
             "without the trust ratio this is AdamW's step": w - lr * u,
         })
+
+
+def test_onebit_compress():
+    """The exercise's compression against distributed/onebit_adam.py's on random tensors, step
+    after step with its error fed back; over 30 steps what was sent plus the error left is what
+    came in (to fp32 rounding)."""
+    from distributed.onebit_adam import compress
+
+    step = exercise("onebit_compress").compress_with_feedback
+    gen = torch.Generator().manual_seed(0)
+    error = mine = torch.zeros(50)
+    total_in, total_sent = torch.zeros(50), torch.zeros(50)
+    for _ in range(30):
+        x = torch.randn(50, generator=gen)
+        got = step(x.clone(), mine.clone())
+        assert got is not None and len(got) == 2, "return (sent, error)"
+        signs, scale, error = compress(x + error, 50)
+        want = torch.where(signs, scale, -scale)
+        assert_close_with_hint(got[0], want, "what is sent", {
+            "the error of the step before must be added first":
+                torch.where(x >= 0, 1.0, -1.0) * x.norm() / 50 ** 0.5,
+            "the scale is ||y|| / sqrt(n), the RMS, not the mean of |y|": torch.where(
+                x + mine >= 0, 1.0, -1.0) * (x + mine).abs().mean(),
+        })
+        assert_close_with_hint(got[1], error, "the error kept", {"the error is y - sent": want - (x + mine)})
+        mine = got[1]
+        total_in += x
+        total_sent += got[0]
+    torch.testing.assert_close(total_sent + mine, total_in, rtol=1e-5, atol=1e-5)
 
 
 def test_dispatch():
