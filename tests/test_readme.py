@@ -185,7 +185,8 @@ class Runner:
         return result.stdout
 
     def train_overrides(self, config: str) -> list[str]:
-        return ["--num_iters", "2", "--limit_nsamples", "16", "--limit_nsamples_val", "8",
+        """One step (an epoch) of 16 samples: the command trains, validates and checkpoints."""
+        return ["--num_iters", "1", "--limit_nsamples", "16", "--limit_nsamples_val", "8",
                 "--checkpoint_every", "0", "--expdir", str(self.tmp / "logs"),
                 "--data_dir", str(self.data_for(config))]
 
@@ -282,7 +283,10 @@ def check_local_python(cmd: Command, runner: Runner) -> None:
     if script in TRAIN_SCRIPTS:
         index = next(i for i, w in enumerate(words) if w.endswith(".py"))
         check_train_flags(script, words[index + 1:])
-        out = runner.run(words + runner.train_overrides(config_of(words)), env)
+        overrides = runner.train_overrides(config_of(words))
+        if "--profile_epoch" in words:  # its window is in the second epoch: two steps
+            overrides[1] = "2"
+        out = runner.run(words + overrides, env)
         assert "Avg train loss=" in out, (f"trained nothing (an earlier command of the course used the "
                                           f"same run folder?): {cmd.text}\n{out[-1500:]}")
     elif script == "convert_checkpoint.py":  # the runs' folders: under this test's --expdir
