@@ -174,19 +174,19 @@ def test_the_warm_up_is_adam_with_ddp_to_the_bit(yaml, data_dir, tmp_path):
     assert all(torch.equal(adam[n], onebit[n]) for n in adam)
 
 
-@pytest.mark.parametrize("fault", [{"DDP_TEST_RAISE_AT": "1:4"}, {"DDP_TEST_SIGNAL_AT": "0:3"}])
-def test_a_killed_or_stopped_run_resumes_to_the_bit(fault, two_ranks, yaml, data_dir, tmp_path):
-    """A rank fails after the checkpoint of step 3, or a stop signal ends the run at step 5 (a
-    check every step, read a step later): run again, the uninterrupted run's losses and weights
-    to the bit (every rank's error buffers came back)."""
+def test_a_killed_then_stopped_run_resumes_to_the_bit(two_ranks, yaml, data_dir, tmp_path):
+    """A rank ends at once, nothing cleaned up (as kill -9 ends it), in step 5, after the
+    checkpoint of step 3; run again, a stop signal in step 4 ends it at step 5 (a check every
+    step, read a step later); run again to the end: the uninterrupted run's losses and weights to
+    the bit (every rank's error buffers came back, twice)."""
     args = train_args(yaml, data_dir, tmp_path, num_iters=STEPS, checkpoint_every=3, stop_check_every=1,
                       **ONEBIT)
-    first = run(2, args, **fault)
-    assert first.returncode != 0
-    stopped_at = torch.load(run_dir(tmp_path, 2) / CHECKPOINT_NAME, weights_only=False)["step"]
-    assert stopped_at == (3 if "DDP_TEST_RAISE_AT" in fault else 5)
+    folder = run_dir(tmp_path, 2)
+    for fault, stops_at in (({"DDP_TEST_EXIT_AT": "1:4"}, 3), ({"DDP_TEST_SIGNAL_AT": "0:3"}, 5)):
+        assert run(2, args, **fault).returncode != 0, fault
+        assert torch.load(folder / CHECKPOINT_NAME, weights_only=False)["step"] == stops_at, fault
     ok(run(2, args))
-    got, want = weights(run_dir(tmp_path, 2)), weights(two_ranks)
+    got, want = weights(folder), weights(two_ranks)
     assert all(torch.equal(got[n], want[n]) for n in want)
-    losses = [[m["train_loss"] for m in metrics(folder)] for folder in (run_dir(tmp_path, 2), two_ranks)]
+    losses = [[m["train_loss"] for m in metrics(f)] for f in (folder, two_ranks)]
     assert losses[0] == losses[1]
