@@ -205,6 +205,8 @@ def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
             item = results.get(timeout=min(1.0, limit))
         except queue.Empty:
             item = None
+        except (ConnectionError, EOFError):  # a worker died while its optimizer's state was on the
+            item = None  # way (the queue shares tensors through the sending process): named below
         if item is not None and item[0] == "state":
             heard[item[1]], states[item[1]] = time.monotonic(), item[3]
             if len(states) == len(procs) and not hogwild_checkpoint(cfg, run_dir, model, pause, states, done):
