@@ -104,8 +104,11 @@ def mb_per_step(run: str) -> str:
 
 
 def tp_run(flags: str) -> str:
+    """Page 5's 40-step runs, each in a run folder of its own (sp's layout is tp's)."""
+    name = "_".join(w.strip("-") for w in flags.split() if not w.isdigit()) + "".join(
+        w for w in flags.split() if w.isdigit())
     return (f"torchrun --standalone --nproc_per_node 4 train_mp.py --config tiny {flags} --num_iters 40 "
-            f"--limit_nsamples 320")
+            f"--limit_nsamples 320 --run_num {name}")
 
 
 def memory(page: str, command: str, shown: str, kind: int) -> Figure:
@@ -159,7 +162,8 @@ FIGURES = [
     Figure("05-model-parallel", TP4, r'"saved_activations_MiB": ([\d.]+)', "| tp = 4 (4) | 1.14 | [9.07] |",
            walk=True),
     *(Figure("05-model-parallel", tp_run(flags), pattern, shown, pick=pick)
-      for flags in ("--tensor_parallel 1", "--tensor_parallel 2", "--tensor_parallel 2 --sequence_parallel",
+      for flags in ("--tensor_parallel 1", "--tensor_parallel 2", "--tensor_parallel 4",
+                    "--tensor_parallel 2 --sequence_parallel",
                     "--tensor_parallel 2 --context_parallel 2")
       for pattern, shown, pick in ((TRAIN, "train [0.764634] then", 0), (TRAIN, "then [0.249722]", -1),
                                    (VAL, "validation [0.408277] then", 0), (VAL, "then [0.209705]", -1))),

@@ -80,7 +80,7 @@ def test_signal_checkpoints_and_requeued_job_resumes(slurm, data_dir, test_yaml,
     """`scancel --signal=USR1` is what `#SBATCH --signal=USR1@90` sends before the time limit.
     With REQUEUE=1 the job goes back to the queue, runs again and resumes from the checkpoint.
     (One rank here; ranks that disagree about the signal: test_ddp.py.)"""
-    num_iters = 45  # 5 epochs: the signal (sent as training starts) arrives long before the end
+    num_iters = 27  # 3 epochs: the signal (sent as training starts) arrives long before the end
     args = train_args(test_yaml, data_dir, tmp_path / "logs", num_iters=num_iters, stop_check_every=2)
     job = submit(slurm, "submit_pm.sh", args, tmp_path, ["-n", "1"], REQUEUE="1")
     log_file = run_dir(tmp_path / "logs", 1) / "out.log"

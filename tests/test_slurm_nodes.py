@@ -144,7 +144,7 @@ def test_data_parallel_on_two_nodes_stops_on_a_signal_and_resumes_after_requeue(
     REQUEUE=1 puts it back in the queue; it runs again on both nodes and resumes. Its losses are
     the uninterrupted serial run's. (One job for both: an uninterrupted one would prove nothing
     more.)"""
-    num_iters = 90  # 10 epochs: the signal (sent as training starts) arrives long before the end
+    num_iters = 45  # 5 epochs: the signal (sent as training starts) arrives long before the end
     args = train_args(test_yaml, data_dir, tmp_path / "logs", num_iters=num_iters, stop_check_every=2)
     # the requeued run appends to the job's output (by default it would start it again)
     job = submit(slurm, "submit_pm_dp.sh", args, tmp_path, ["--open-mode=append"], REQUEUE="1")
