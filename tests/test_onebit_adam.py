@@ -53,6 +53,18 @@ def test_error_feedback_loses_nothing_over_the_steps():
     torch.testing.assert_close(total_out + left, total_in, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("flags, message", [
+    ({"data_parallel": "fsdp"}, "does not run with --data_parallel fsdp"),
+    ({"tensor_parallel": 2}, "does not run with model parallelism"),
+    ({"amp_mode": "fp16"}, "does not run with --amp_mode fp16"),
+    ({"grad_clip_norm": 1.0}, "does not run with --grad_clip_norm"),
+    ({"optimizer_type": "Adam"}, "--onebit_warmup_steps 2 is 1-bit Adam's"),
+])
+def test_what_it_refuses_in_one_line(flags, message, data_dir, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        make_cfg(data_dir, tmp_path, **{**ONEBIT, **flags})
+
+
 # ------------------------------------------------------------------------ the rule ---
 def reference(cfg, ranks: int, steps: int, warmup: int) -> dict[str, torch.Tensor]:
     """N ranks' 1-bit Adam played in one process: torch's Adam on the averaged gradient for

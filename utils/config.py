@@ -149,6 +149,9 @@ def check_across(cfg: Config) -> None:
     check_experts(model, layout)
     if optim.optimizer_type == "OneBitAdam":
         check_onebit(cfg)
+    elif optim.onebit_warmup_steps != 100:
+        raise ValueError(f"--onebit_warmup_steps {optim.onebit_warmup_steps} is 1-bit Adam's; this run would "
+                         f"ignore it: use it with --optimizer OneBitAdam, or leave it out")
     if layout.pipeline_parallel > 1:
         check_pipeline_fits(model, optim, layout, memory)
     if layout.pipeline_parallel > 1 and layout.pipeline_schedule == "async_1f1b":
