@@ -89,6 +89,7 @@ COMPARE = ("python scripts/compare_runs.py logs/tiny/2GPU/00 logs/tiny/2GPU/bf16
            "--out logs/plots/compression.png")
 PIPE = ("torchrun --standalone --nproc_per_node 2 train_mp.py --config tiny --pipeline_parallel 2 "
         "--pipeline_schedule 1f1b --num_microbatches 4")
+DS_COMPARE = "python scripts/deepspeed_compare.py --config tiny --ranks 2 --out logs/deepspeed"
 VAL, TRAIN, PARAMS = r"Avg val loss=([\d.]+)", r"Avg train loss=([\d.]+)", r"INFO (\d+) parameters"
 MIB = r"Memory per rank \(MiB\): parameters ([\d.]+), gradients ([\d.]+), optimizer ([\d.]+)"
 
@@ -101,6 +102,11 @@ def dp_run(ranks: int) -> str:
 def mb_per_step(run: str) -> str:
     """compare_runs.py's "gradient MB per step" (the column before samples/s) in the run's row."""
     return rf"(?m)^\| {re.escape(run)} \|.*\| ([\d.]+) \| [\d.]+ \|$"
+
+
+def cell(row: str, column: int) -> str:
+    """The number in a markdown table's ``row`` (its first cell), ``column`` cells after it."""
+    return rf"\| {re.escape(row)} \|" + r" [\d.]+ \|" * column + r" ([\d.]+) \|"
 
 
 def tp_run(flags: str) -> str:
@@ -175,6 +181,12 @@ FIGURES = [
     memory("06-sharding", HSDP, "hsdp `--dp_shard 2` 1.9 / 1.9 / [3.5]", 2),
     Figure("06-sharding", CLIP_FSDP, TRAIN, "| 1 (1-16) | 0.304 / 0.551 | [0.5618] |", pick=0),
     Figure("06-sharding", CLIP_FSDP, VAL, "| 2 (17-32) | 0.130 / 0.156 | 0.2414 | [0.2493] |", pick=-1),
+    # page 9: the mixture of experts' parameters; page 10: what DeepSpeed's stage 2 holds per rank
+    Figure("09-experts", "python train.py --config tiny --num_experts 4 --run_num moe", PARAMS,
+           "Twice the parameters ([1.68]M, not 0.89M)", scale=1e-6, walk=True),
+    *(Figure("10-deepspeed", DS_COMPARE, cell("deepspeed 2", column), shown, walk=True)
+      for column, shown in enumerate(["| stage 2 | [3.40] |", "| stage 2 | 3.40 | [1.70] |",
+                                      "| stage 2 | 3.40 | 1.70 | [5.10] |"])),
     # page 7: the pipeline's split, logged as the run starts
     Figure("07-pipeline-parallel", PIPE, r"1f1b schedule, (\d+) micro-batches",
            "1f1b schedule, [4] micro-batches",
