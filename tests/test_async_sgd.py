@@ -138,6 +138,7 @@ def test_hogwild_workers_update_one_shared_model(yaml, data_dir, tmp_path):
     (1, ["--mode", "delayed", "--freeze_schedule", "steps", "--freeze_steps", "2"],
      "--freeze_schedule would be ignored"),
     (1, ["--mode", "delayed", "--pipeline_parallel", "2"], "--pipeline_parallel would be ignored"),
+    (1, ["--mode", "delayed", "--checkpoint_every", "4"], "--mode delayed keeps no checkpoint"),
     (1, ["--mode", "delayed", "--data_dir", "/no/such/era5"],
      "/no/such/era5/train does not exist: pass --data_dir"),
 ])

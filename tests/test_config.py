@@ -69,6 +69,8 @@ def test_misspelled_key_is_an_error(tmp_path):
     ("a:\n  reshard_after_forward: False\n", r"--no-reshard_after_forward keeps FSDP's gathered weights"),
     ("a:\n  pipeline_schedule: gpipe\n", r"use it with --pipeline_parallel 2 or more"),
     ("a:\n  num_experts: 4\n  moe_every: 13\n", r"--moe_every 12 or less \(the model has 12 blocks\)"),
+    ("a:\n  async_drain_every: 10\n", r"--async_drain_every 10 spaces the asynchronous pipeline's drains; "
+                                       r"this run would ignore it"),
     ("a:\n  weight_stashing: 2bw\n", r"--weight_stashing 2bw picks the weights of the asynchronous "
                                      r"pipeline's backward; this run would ignore it: use it with"),
     # every number finite: inf and nan pass a "< 0" check
