@@ -63,6 +63,12 @@ def sort_by_expert(expert: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
     return torch.argsort(expert, stable=True), counts.scatter_add_(0, expert, torch.ones_like(expert))
 
 
+def host_counts(counts: torch.Tensor, assignments: int) -> list[int]:
+    """The counts on the host (the MoE layer's one sync). ``assignments``: how many they add up
+    to, which a dry run (scripts/dry_run.py), whose tensors hold no values, shares out evenly."""
+    return counts.tolist()
+
+
 def rank_splits(counts: list[int], ep: int) -> list[int]:
     """The rows sent to (or received from) each of the ``ep`` ranks, from the count of each
     expert (E,) in rank order (expert e lives on rank e // (E / ep)): the all-to-all's split sizes."""
@@ -118,7 +124,7 @@ class ExpertParallelMoE(nn.Module):
         # sizes its transfers from them), and so do the shapes of what is received. One copy
         # gives them all: what goes to each expert, and what comes from each rank for each of
         # this rank's experts.
-        host = torch.cat([counts, received_counts.flatten()]).tolist()
+        host = host_counts(torch.cat([counts, received_counts.flatten()]), key.numel())
         sent, got = host[:self.num_experts], host[self.num_experts:]  # (E,), (ep x per_rank,)
         send_splits, recv_splits = rank_splits(sent, self.ep), rank_splits(got, self.ep)
         order = order[:sum(sent)]  # the kept assignments (A,)

@@ -156,10 +156,12 @@ def wrap_data_parallel(model: nn.Module, mesh: ParallelMesh, device: torch.devic
             **compat.ddp_buffer_sync(not layout.disable_broadcast_buffers),
             "gradient_as_bucket_view": True,
         }
-        if any(spec(p).expert for p in model.parameters()):
+        fake = dist.get_backend() == "fake"  # a dry run (scripts/dry_run.py): tensors without data
+        if any(spec(p).expert for p in model.parameters()) or fake:
             options["init_sync"] = False  # no broadcast from rank 0: the ranks hold different experts
         ddp = DistributedDataParallel(model, device_ids=ids, process_group=mesh.dp_group, **options)
-        if needs_grad_sum(model):
+        if needs_grad_sum(model) or fake and layout is not None and layout.grad_compression == "none":
+            # (DDP's own C++ all-reduce cannot run on fake tensors; the hook is the same average)
             ddp.register_comm_hook(None, ddp_comm_hook(mesh))
         elif layout is not None and layout.grad_compression != "none":  # imported only when compressing
             from distributed.compression import compress_gradients

@@ -111,6 +111,7 @@ class Layout:
     batch: int = 16  # global batch
     dp_shard: int = 0  # hsdp: ranks of a sharding group (0: all the data-parallel ranks)
     stashing: str = "stash"  # async_1f1b only: none | stash | vertical | 2bw
+    sp: bool = False  # sequence parallelism (with tp): its collectives; its memory counted as tp's
 
     @property
     def asynchronous(self) -> bool:  # 1F1B with no flush between steps (distributed/async_pipeline.py)
@@ -458,12 +459,44 @@ def padded(shapes: list[tuple[str, tuple[int, ...]]], dp: int) -> int:
     return sum(dp * math.ceil(s[0] / dp) * math.prod(s[1:]) for _, s in shapes)
 
 
-def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = False) -> list[tuple]:
+def tensor_parallel_parts(m: Model, lay: Layout, shapes: list[tuple[str, tuple[int, ...]]], blocks: int,
+                          recomputed_blocks: int,
+                          mbs: int, low: int, last: bool) -> list[tuple]:
+    """collective_parts' tensor-parallel collectives of L blocks (R of them recomputed), ``low``
+    bytes per element of the matmuls' outputs."""
+    D, N, b, tp = m.dim, m.tokens, lay.local_batch, lay.tp
+    L, R = blocks, recomputed_blocks  # noqa: N806 (the page's symbols)
+    if lay.sp:  # per block: gather the normalised tokens before qkv and fc1 (fp32), and
+        # again in backward for their weight gradients (not kept); reduce-scatter proj's and fc2's
+        # outputs, and all-gather their gradients in backward; the head's output gathered.
+        # The parameters that tp does not split sum their gradients over tp.
+        n_pad = tp * math.ceil(N / tp)
+        tokens = b * n_pad * D
+        head = low * b * n_pad * m.c_out * m.patch**2 if last else 0
+        whole = [s for name, s in shapes if tp_shape(name, s, 1) == tp_shape(name, s, tp)]
+        return [("all_gather", tp, L * (2 * E + 2 * (low + E)) * tokens + head, 6 * L + last, "tp"),
+                ("reduce_scatter", tp, L * 4 * low * tokens, 4 * L, "tp"),
+                ("all_reduce", tp, E * sum(math.prod(s) for s in whole), len(whole), "tp")]
+    # Megatron: forward sums proj's and fc2's partial outputs, backward the input gradients of
+    # qkv and fc1 (each (b, n, D))
+    back = low if lay.sharded else E  # FSDP's bf16 policy computes in bf16 throughout
+    forward = (2 * L + R) * low * b * (N // lay.cp) * D  # proj's and fc2's outputs (again if recomputed)
+    backward = 2 * L * back * b * (N // lay.cp) * D  # the input gradients of qkv and fc1
+    return [("all_reduce", tp, forward + backward, (4 * L + R) * mbs, "tp")]
+
+
+def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = False,
+                     dtype: str = "float32", grad_element: int = E) -> list[tuple]:
     """(kind, group size, bytes, calls) of every collective one step runs on this rank (and the
     mesh dimension it runs over, ``with_dims``): an
     all-reduce or broadcast counts its tensor, an all-gather its whole output, a reduce-scatter
-    its whole input, a send or receive its tensor."""
+    its whole input, a send or receive its tensor. ``dtype`` bfloat16: the run's matmuls under
+    autocast, whose outputs tensor parallelism sums in 2 bytes in forward (backward's gradients
+    are fp32: they flow back to fp32 inputs), or FSDP's bf16 policy, which gathers 2-byte weights
+    and computes in bf16 throughout (its gradients reduce in fp32). ``grad_element``: bytes per
+    gradient element DDP sends (2 with bf16 or fp16 compression)."""
     D, N, b, tp = m.dim, m.tokens, lay.local_batch, lay.tp
+    low = 2 if dtype in ("bfloat16", "float16") else E
     blocks, first, last = stage_blocks(m, lay, pp_rank)
     shapes = rank_parameters(m, lay, pp_rank)
     grad_bytes = E * sum(math.prod(s) for _, s in shapes)
@@ -472,17 +505,17 @@ def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = 
     R = sum(recomputed(lay, i) for i in blocks)  # recomputing a block runs its forward's collectives
     # again, up to fc2 (where torch's checkpoint stops, see flops())
     mbs = lay.microbatches if lay.pp > 1 else 1  # a pipeline runs each micro-batch's collectives
-    if tp > 1:  # Megatron: forward sums proj's and fc2's partial outputs, backward the input
-        # gradients of qkv and fc1 (each (b, n, D))
-        parts.append(("all_reduce", tp, (4 * L + R) * E * b * (N // lay.cp) * D, (4 * L + R) * mbs, "tp"))
+    if tp > 1:
+        parts += tensor_parallel_parts(m, lay, shapes, L, R, mbs, low, last)
     if lay.cp > 1:  # keys and values gathered in forward; in backward their gradients summed
         # and scattered (a reduce-scatter of every rank's slice padded to the longest); the head's
         # output gathered
-        parts.append(("all_gather", lay.cp, 2 * (L + R) * E * b * N * D // tp, 2 * (L + R), "cp"))
+        # (keys and values are the qkv matmul's outputs: 2 bytes under autocast, their gradients too)
+        parts.append(("all_gather", lay.cp, 2 * (L + R) * low * b * N * D // tp, 2 * (L + R), "cp"))
         padded_n = lay.cp * math.ceil(N / lay.cp)
-        parts.append(("reduce_scatter", lay.cp, 2 * L * E * b * padded_n * D // tp, 2 * L, "cp"))
+        parts.append(("reduce_scatter", lay.cp, 2 * L * low * b * padded_n * D // tp, 2 * L, "cp"))
         if last:
-            parts.append(("all_gather", lay.cp, E * b * N * m.c_out * m.patch**2, 1, "cp"))
+            parts.append(("all_gather", lay.cp, low * b * N * m.c_out * m.patch**2, 1, "cp"))
         # every gradient summed over cp: by each parameter's hook, or per DDP bucket when DDP runs
         ddp = lay.dp > 1 and lay.pp == 1 and not lay.sharded
         calls = ddp_buckets(grad_bytes) if ddp else len(shapes)
@@ -499,8 +532,9 @@ def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = 
         # their experts' ranks and the outputs back; backward sends each gradient the reverse way.
         # A rank sends its own b n k assignments (dropless routing); what it receives depends on
         # the routing: balanced here, so the ep group's total is exact, a rank's only on average
-        a = E * b * (N // lay.cp) * m.top_k * D
-        parts.append(("all_to_all", lay.ep, len(moe) * (8 * m.num_experts + 4 * a), 5 * len(moe), "ep"))
+        a = b * (N // lay.cp) * m.top_k * D  # elements; forward's in the matmuls' precision
+        per_layer = 8 * m.num_experts + 2 * (low + E) * a
+        parts.append(("all_to_all", lay.ep, len(moe) * per_layer, 5 * len(moe), "ep"))
     if lay.dp > 1:
         if lay.sharded:  # blocks gathered in forward and again in backward; the root (embedding,
             # norm, head) once: it is not resharded after forward. HSDP gathers within its group,
@@ -508,7 +542,7 @@ def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = 
             g = lay.shard
             block_elems = [padded([s for s in shapes if s[0].startswith(f"blocks.{i}.")], g) for i in blocks]
             root = padded([s for s in shapes if not s[0].startswith("blocks.")], g)
-            parts.append(("all_gather", g, E * (2 * sum(block_elems) + root), 2 * L + 1, "dp_shard"))
+            parts.append(("all_gather", g, low * (2 * sum(block_elems) + root), 2 * L + 1, "dp_shard"))
             parts.append(("reduce_scatter", g, E * (sum(block_elems) + root), L + 1, "dp_shard"))
             if lay.dp > g:
                 shard_bytes = E * (sum(block_elems) + root) // g
@@ -519,10 +553,10 @@ def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = 
             calls = ddp_buckets(grad_bytes)
             parts.append(("all_reduce", lay.dp, grad_bytes - experts, calls, "dp"))
             if lay.dp > lay.ep:
-                parts.append(("all_reduce", lay.dp // lay.ep, experts, calls, "dp"))
+                parts.append(("all_reduce", lay.dp // lay.ep, experts, calls, "ep_replicas"))
         else:  # DDP's bucketed all-reduce (one flat all-reduce after a pipeline's flush)
             calls = ddp_buckets(grad_bytes) if lay.pp == 1 else 1
-            parts.append(("all_reduce", lay.dp, grad_bytes, calls, "dp"))
+            parts.append(("all_reduce", lay.dp, grad_bytes * grad_element // E, calls, "dp"))
             if lay.data_parallel == "zero1":  # each owner broadcasts its updated tensors
                 parts.append(("broadcast", lay.dp, grad_bytes, len(shapes), "dp"))
     return parts if with_dims else [p[:4] for p in parts]
