@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from scripts.code_ranges import CODE_RANGE, span
 from scripts.make_synthetic_era5 import generate
@@ -205,6 +206,7 @@ def script_of(words: list[str]) -> str | None:
 
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+DRY_RUN_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)  # scripts/dry_run.py
 
 
 def needs_deepspeed(words: list[str]) -> bool:
@@ -262,6 +264,8 @@ def course_plan(commands: list[Command], have_deepspeed: bool = HAVE_DEEPSPEED) 
         reason = None
         if needs_deepspeed(words) and not have_deepspeed:
             reason = "DeepSpeed is not installed (make deepspeed installs it)"
+        elif script_of(words) == "dry_run.py" and not DRY_RUN_TORCH:
+            reason = "the dry run needs torch 2.11 or newer (tests/test_dry_run.py checks its refusal)"
         else:
             for word in words:
                 source = next((c for out, c in missing.items() if word == out or word.startswith(out + "/")),
