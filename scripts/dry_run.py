@@ -452,6 +452,7 @@ def record_step(cfg: Any, job: Job, rank: int, mesh: Any, local_batch: int, step
     """Build the rank's Trainer and run its step under ``recorder``, then the checkpoint's gather.
     Returns each storage's kind and the number of collectives before the gather."""
     from training.context import RunContext
+    from training.trainer import Trainer
 
     device = torch.device("cpu")
     kind_of: dict[int, str] = {}
@@ -465,7 +466,8 @@ def record_step(cfg: Any, job: Job, rank: int, mesh: Any, local_batch: int, step
     with tempfile.TemporaryDirectory() as run_dir:
         ctx = RunContext(device=device, run_dir=Path(run_dir), rank=rank, world_size=job.ranks,
                          local_rank=rank % job.per_node, mesh=mesh)
-        trainer = _dry_trainer_class()(cfg, ctx, local_batch, step=step)
+        with patched(Trainer, "build_data", lambda self, split, train: NoBatches()):
+            trainer = Trainer(cfg, ctx, local_batch, step=step)
         optimizer = trainer.optimizer
 
         def parameters() -> list[torch.Tensor]:
@@ -501,28 +503,19 @@ def refuse(cfg: Any, step: type) -> None:
                          "do not reach: dry-run its native equivalent (--data_parallel zero1 or fsdp)")
 
 
-def _dry_trainer_class() -> type:
-    from training.trainer import Trainer
+class NoBatches:
+    """The data loader's place in a dry run's Trainer: the step is handed a fake batch instead."""
 
-    class FakeBatches:
-        batches_per_epoch = 1
+    batches_per_epoch = 1
 
-        def set_epoch(self, *args: Any) -> None:
-            pass
+    def set_epoch(self, *args: Any) -> None:
+        pass
 
-        def __iter__(self) -> Iterator[Any]:
-            return iter(())
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
 
-        def give_back(self, *args: Any) -> None:
-            pass
-
-    class Dry(Trainer):
-        """The Trainer with no data loader: the dry run hands it a fake batch."""
-
-        def build_data(self, split: str, train: bool) -> Any:
-            return FakeBatches()
-
-    return Dry
+    def give_back(self, *args: Any) -> None:
+        pass
 
 
 def prediction(cfg: Any, sizes: dict[str, int], local_batch: int, per_node: int,

@@ -310,6 +310,7 @@ SCRIPT_OVERRIDES = {  # extra flags that make a script quick here; paths under l
     "plot_model_sizes.py": lambda runner: [],  # the runs of the commands just before it
     "plot_profile.py": lambda runner: [],  # the trace of the profiling command before it
     "mp_memory.py": lambda runner: [],  # no data, no output files: runs as written
+    "dry_run.py": lambda runner: [],  # fake tensors: no data, no output files, a few seconds
     "plot_memory.py": lambda runner: [],  # the two --memory_snapshot runs before it
     "sharding_report.py": lambda runner: [  # fsdp on 2 ranks, one step (ddp and zero1 are the same
         "--ranks", "2", "--modes", "fsdp", "--steps", "1", "--checkpointing", "full",  # code with other
