@@ -417,11 +417,12 @@ def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0,
     per tensor. ddp: everything; zero1: the moments of the tensors it owns; fsdp: its dim-0 shard
     of everything (hsdp: its shard within its group). Also: the recomputed block of activation
     checkpointing (one block's activations while its backward runs) and FSDP's communication
-    buffers (one block's gathered weights and gradients, the next block's prefetched weights);
-    not checked: neither is in the tensors a run can count on a CPU. ``dtype``: the matmuls'
-    precision under autocast (the activations, see activation_bytes); weights, gradients and
-    Adam's state stay fp32. The asynchronous pipeline holds older versions of its weights
-    (:func:`weight_versions`, checked) and the inputs of the micro-batches in flight (not
+    buffers (one block's gathered weights and gradients, the next block's prefetched weights), the
+    batch's input and target on the device; not checked: none is in the tensors a run can count
+    on a CPU (scripts/dry_run.py counts them). ``dtype``: the matmuls' precision under autocast
+    (the activations, see activation_bytes); weights, gradients and Adam's state stay fp32.
+    The asynchronous pipeline holds older versions of its weights (:func:`weight_versions`,
+    checked) and the inputs of the micro-batches in flight (not
     checked: they are not autograd's)."""
     shapes = rank_parameters(m, lay, pp_rank)
     if lay.sharded:  # HSDP's groups are rows of dp_shard consecutive data-parallel ranks
@@ -449,6 +450,11 @@ def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0,
     if lay.sharded:
         block = sum(math.prod(s) for n, s in shapes if n.startswith("blocks.0."))
         extra["fsdp buffers"] = E * 3 * block  # gathered weights (this and the next block), gradients
+    first, last = stage_blocks(m, lay, pp_rank)[1:]
+    low = 2 if dtype in ("bfloat16", "float16") else E  # the batch on the device: the fp32 input (when
+    # autocast keeps a 2-byte copy instead), the target (the loss keeps only pred - target)
+    extra["the batch"] = E * lay.local_batch * m.pixels * ((m.c_in if first and low != E else 0)
+                                                           + (m.c_out if last else 0))
     out["total"] = sum(out.values())
     return {**out, **{f"{k} (not checked)": v for k, v in extra.items()}}
 
@@ -483,6 +489,42 @@ def tensor_parallel_parts(m: Model, lay: Layout, shapes: list[tuple[str, tuple[i
     forward = (2 * L + R) * low * b * (N // lay.cp) * D  # proj's and fc2's outputs (again if recomputed)
     backward = 2 * L * back * b * (N // lay.cp) * D  # the input gradients of qkv and fc1
     return [("all_reduce", tp, forward + backward, (4 * L + R) * mbs, "tp")]
+
+
+def data_parallel_parts(m: Model, lay: Layout, shapes: list[tuple[str, tuple[int, ...]]],
+                        blocks: list[int], moe: list[int], low: int, grad_element: int) -> list[tuple]:
+    """collective_parts' data-parallel collectives: FSDP's and HSDP's, DDP's (experts too), ZeRO-1's."""
+    parts: list[tuple] = []
+    L = len(blocks)  # noqa: N806 (the page's symbol)
+    grad_bytes = E * sum(math.prod(s) for _, s in shapes)
+    if lay.sharded:  # blocks gathered in forward and again in backward; the root (embedding,
+        # norm, head) once: it is not resharded after forward. HSDP gathers within its group,
+        # then all-reduces its gradient shard with the other groups
+        g = lay.shard
+        block_elems = [padded([s for s in shapes if s[0].startswith(f"blocks.{i}.")], g) for i in blocks]
+        root = padded([s for s in shapes if not s[0].startswith("blocks.")], g)
+        # a pipeline stage gathers its blocks for each micro-batch's forward, then once for all
+        # the backwards (torch's schedule keeps them gathered until the last)
+        passes = lay.microbatches + 1 if lay.pp > 1 else 2
+        gathered = low * (passes * sum(block_elems) + root)
+        parts.append(("all_gather", g, gathered, passes * L + 1, "dp_shard"))
+        parts.append(("reduce_scatter", g, E * (sum(block_elems) + root), L + 1, "dp_shard"))
+        if lay.dp > g:
+            shard_bytes = E * (sum(block_elems) + root) // g
+            parts.append(("all_reduce", lay.dp // g, shard_bytes, L + 1, "dp"))
+    elif lay.ep > 1 and moe:  # DDP's hook: the experts' gradients over the ranks that hold the
+        # same experts (none when ep = dp), the others over dp, one call each per bucket
+        experts = E * sum(math.prod(s) for n, s in shapes if ".experts." in n)
+        calls = ddp_buckets(grad_bytes)
+        parts.append(("all_reduce", lay.dp, grad_bytes - experts, calls, "dp"))
+        if lay.dp > lay.ep:
+            parts.append(("all_reduce", lay.dp // lay.ep, experts, calls, "ep_replicas"))
+    else:  # DDP's bucketed all-reduce (one flat all-reduce after a pipeline's flush)
+        calls = ddp_buckets(grad_bytes) if lay.pp == 1 else 1
+        parts.append(("all_reduce", lay.dp, grad_bytes * grad_element // E, calls, "dp"))
+        if lay.data_parallel == "zero1":  # each owner broadcasts its updated tensors
+            parts.append(("broadcast", lay.dp, grad_bytes, len(shapes), "dp"))
+    return parts
 
 
 def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = False,
@@ -536,29 +578,7 @@ def collective_parts(m: Model, lay: Layout, pp_rank: int = 0, with_dims: bool = 
         per_layer = 8 * m.num_experts + 2 * (low + E) * a
         parts.append(("all_to_all", lay.ep, len(moe) * per_layer, 5 * len(moe), "ep"))
     if lay.dp > 1:
-        if lay.sharded:  # blocks gathered in forward and again in backward; the root (embedding,
-            # norm, head) once: it is not resharded after forward. HSDP gathers within its group,
-            # then all-reduces its gradient shard with the other groups
-            g = lay.shard
-            block_elems = [padded([s for s in shapes if s[0].startswith(f"blocks.{i}.")], g) for i in blocks]
-            root = padded([s for s in shapes if not s[0].startswith("blocks.")], g)
-            parts.append(("all_gather", g, low * (2 * sum(block_elems) + root), 2 * L + 1, "dp_shard"))
-            parts.append(("reduce_scatter", g, E * (sum(block_elems) + root), L + 1, "dp_shard"))
-            if lay.dp > g:
-                shard_bytes = E * (sum(block_elems) + root) // g
-                parts.append(("all_reduce", lay.dp // g, shard_bytes, L + 1, "dp"))
-        elif lay.ep > 1 and moe:  # DDP's hook: the experts' gradients over the ranks that hold the
-            # same experts (none when ep = dp), the others over dp, one call each per bucket
-            experts = E * sum(math.prod(s) for n, s in shapes if ".experts." in n)
-            calls = ddp_buckets(grad_bytes)
-            parts.append(("all_reduce", lay.dp, grad_bytes - experts, calls, "dp"))
-            if lay.dp > lay.ep:
-                parts.append(("all_reduce", lay.dp // lay.ep, experts, calls, "ep_replicas"))
-        else:  # DDP's bucketed all-reduce (one flat all-reduce after a pipeline's flush)
-            calls = ddp_buckets(grad_bytes) if lay.pp == 1 else 1
-            parts.append(("all_reduce", lay.dp, grad_bytes * grad_element // E, calls, "dp"))
-            if lay.data_parallel == "zero1":  # each owner broadcasts its updated tensors
-                parts.append(("broadcast", lay.dp, grad_bytes, len(shapes), "dp"))
+        parts += data_parallel_parts(m, lay, shapes, blocks, moe, low, grad_element)
     return parts if with_dims else [p[:4] for p in parts]
 
 

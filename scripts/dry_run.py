@@ -22,9 +22,14 @@ weights. It records:
 
 What it does not play: the data loader (the batch is a fake tensor of the right shape),
 torch.compile (eager: compile's fused kernels keep fewer temporaries), CUDA graphs, DeepSpeed's
-engine. It traces on the CPU device: a CPU-only torch cannot run a fake CUDA device, and the
-bytes do not depend on it. It needs torch 2.11 or newer (older releases have no fake kernels
-for some collectives).
+engine, a pipeline's checkpoint gather (its stages send each other pickled tensors). It traces
+on the CPU device: a CPU-only torch cannot run a fake CUDA device, and the bytes do not depend
+on it. It needs torch 2.11 or newer (older releases have no fake kernels for some collectives).
+
+Where torch or the project reads a value (which a fake tensor has not), :func:`play` puts a
+stand-in, each said where it is: no initial values, balanced expert routing, the ranks'
+placement computed instead of gathered, each pipeline stage given its shapes, collectives'
+handles holding their tensor, DDP's all-reduce through its Python hook (distributed/tags.py).
 """
 
 from __future__ import annotations
@@ -288,6 +293,37 @@ def environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def static_stage_shapes(cfg: Any, local_batch: int) -> contextlib.AbstractContextManager:
+    """torch's pipeline stages, given no example input and output, learn their neighbours'
+    shapes at the first step from pickled objects the stages send each other, which a fake
+    process group cannot carry. Given examples they skip that: each stage gets a fake
+    micro-batch of its input (the image on the first stage, tokens on the others) and its own
+    output for it, computed here in the run's precision."""
+    from torch.distributed import pipelining
+
+    from utils import device as dev
+
+    original = pipelining.PipelineStage
+    micro = local_batch // cfg.num_microbatches
+    tokens = (cfg.img_size[0] // cfg.patch_size) * (cfg.img_size[1] // cfg.patch_size) // cfg.context_parallel
+    amp = "none" if cfg.data_parallel in ("fsdp", "hsdp") else cfg.amp_mode  # FSDP's policy casts itself
+
+    def stage(submodule: torch.nn.Module, stage_index: int, num_stages: int, device: Any, *args: Any,
+              **kwargs: Any) -> Any:
+        shape = (micro, cfg.n_in_channels, *cfg.img_size) if stage_index == 0 \
+            else (micro, tokens, cfg.embed_dim)
+        example = torch.empty(shape, device=device, requires_grad=stage_index > 0)  # tokens: a gradient back
+        with dev.autocast(torch.device(device), amp):  # (with autograd: the output needs a gradient)
+            out = submodule(example)
+        for module in submodule.modules():  # FSDP keeps the root's gathered weights after a forward
+            if hasattr(module, "reshard"):
+                module.reshard()
+        return original(submodule, stage_index, num_stages, device, *args, input_args=(example,),
+                        output_args=(out,), **kwargs)
+
+    return patched(pipelining, "PipelineStage", stage)
+
+
 def own_pipeline_vote() -> contextlib.AbstractContextManager:
     """torch's pipeline schedules (2.13) start with a vote over the stages, read with ``.item()``,
     on whether the stages' shapes are static; a fake tensor has no value to read. Each stage here
@@ -331,6 +367,8 @@ def peaks(events: list[tuple[int, int]], kind_of: dict[int, str]) -> tuple[dict[
     at_peak = dict(live)
     for number, change in events:
         kind = kind_of.get(number, "activations")
+        if kind not in live:  # in host memory
+            continue
         live[kind] += change
         live["total"] += change
         peak[kind] = max(peak[kind], live[kind])
@@ -424,6 +462,7 @@ def play(job: Job, rank: int) -> RankReport:
             ("dry run", {n: next(g for g in layouts[n] if r in g) for n in names})
             for r in range(job.ranks)]))
         shims.enter_context(own_pipeline_vote())
+        shims.enter_context(static_stage_shapes(cfg, local_batch))
         shims.enter_context(patched(dist, "all_reduce", all_reduce_with_value))
         shims.enter_context(patched(mappings, "REDUCE_SCATTER_BACKENDS", (*mappings.REDUCE_SCATTER_BACKENDS,
                                                                           "fake")))  # as NCCL
@@ -470,13 +509,19 @@ def record_step(cfg: Any, job: Job, rank: int, mesh: Any, local_batch: int, step
             trainer = Trainer(cfg, ctx, local_batch, step=step)
         optimizer = trainer.optimizer
 
-        def parameters() -> list[torch.Tensor]:
+        def parameters() -> list[torch.Tensor]:  # the trainable ones
             return [p for group in optimizer.param_groups for p in group["params"]]
 
-        inp = torch.empty((local_batch, cfg.n_in_channels, *cfg.img_size), device=device)
-        tar = torch.empty((local_batch, cfg.n_out_channels, *cfg.img_size), device=device)
         with resizes_seen(recorder), recorder:
-            mark("parameters", local_tensors(parameters()))
+            inp = torch.empty((local_batch, cfg.n_in_channels, *cfg.img_size), device=device)
+            tar = torch.empty((local_batch, cfg.n_out_channels, *cfg.img_size), device=device)
+            # the batch is on the device where the rank's stages read it (a pipeline's first stage
+            # the input, its last the target: training/pipelined.py), else in host memory
+            if not getattr(trainer.model, "is_first", True):
+                mark("host", [inp])
+            if not getattr(trainer.model, "is_last", True):
+                mark("host", [tar])
+            mark("parameters", local_tensors(list(trainer.model.parameters()) + parameters()))
             hooks = [optimizer.register_step_pre_hook(lambda *_: mark("gradients", local_tensors(
                          [p.grad for p in parameters() if p.grad is not None]))),
                      optimizer.register_step_post_hook(
@@ -493,11 +538,6 @@ def record_step(cfg: Any, job: Job, rank: int, mesh: Any, local_batch: int, step
 
 def refuse(cfg: Any, step: type) -> None:
     """The layouts the dry run cannot play, in one line each."""
-    if cfg.pipeline_parallel > 1 and cfg.pipeline_schedule != "async_1f1b":
-        raise ValueError(f"torch's pipeline schedule ({cfg.pipeline_schedule}) sends the stages' shapes "
-                         f"to each other as pickled objects at its first step, which a fake process group "
-                         f"cannot carry: dry-run the same layout with --pipeline_schedule async_1f1b, or "
-                         f"count it with scripts/cost_model.py")
     if cfg.engine == "deepspeed":
         raise ValueError("DeepSpeed's engine runs its own kernels and communication, which fake tensors "
                          "do not reach: dry-run its native equivalent (--data_parallel zero1 or fsdp)")
