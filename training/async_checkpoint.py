@@ -26,7 +26,6 @@ finished: a run killed between the two is run again.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import threading
@@ -101,19 +100,30 @@ class HogwildPause:
     copied the weights (:meth:`wait`). The parent, once it has every worker's state, copies the
     weights and calls :meth:`release`."""
 
-    def __init__(self, ctx: Any, every: int, workers: int, saved: int, timeout_s: float) -> None:
-        self.every, self.timeout_s = every, timeout_s
+    def __init__(self, ctx: Any, every: int, workers: int, saved: int, timeout_s: float,
+                 folder: Path) -> None:
+        self.every, self.timeout_s, self.folder = every, timeout_s, folder  # folder: the states on their way
         self.saved = ctx.Value("i", saved, lock=False)  # the last update saved (set before the release)
         self.barrier = ctx.Barrier(workers + 1)
 
     def due(self, number: int, total: int) -> bool:
         return bool(self.every) and number < total and number % self.every == 0 and number > self.saved.value
 
-    @staticmethod
-    def send(results: Any, rank: int, optimizer: torch.optim.Optimizer, number: int) -> None:
-        # a copy: the queue shares a tensor's memory with the receiver, and this worker goes on
-        # updating its own
-        results.put(("state", rank, number, copy.deepcopy(optimizer.state_dict())))
+    def send(self, results: Any, rank: int, optimizer: torch.optim.Optimizer, number: int) -> None:
+        """The optimizer's state to a file, then a small message. Through the queue, the parent
+        would wait forever on a worker stopped while sending: a tensor's memory is handed over by
+        the sending process, and a large message arrives in parts."""
+        path = self.folder / f"state_{rank}.pt"
+        torch.save(optimizer.state_dict(), path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+        results.put(("state", rank, number))
+
+    def received(self, rank: int) -> dict[str, Any]:
+        """The state worker ``rank`` sent (the parent, once its message came)."""
+        path = self.folder / f"state_{rank}.pt"
+        state = torch.load(path, weights_only=True)
+        path.unlink()
+        return state
 
     def wait(self) -> bool:
         """False if the parent did not release the workers in time (it died, or gave up)."""

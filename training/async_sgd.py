@@ -38,6 +38,7 @@ import logging
 import os
 import queue
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -182,7 +183,9 @@ def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
     lock = ctx.Lock() if args.mode == "locked" else None
     begun = state.updates if state else 0
     count, results, ready = ctx.Value("i", begun), ctx.Queue(), ctx.Barrier(args.workers + 1)
-    pause = saves.HogwildPause(ctx, cfg.checkpoint_every, args.workers, begun, cfg.collective_timeout_s)
+    folder = tempfile.TemporaryDirectory()  # the workers' optimizer states at a checkpoint
+    pause = saves.HogwildPause(ctx, cfg.checkpoint_every, args.workers, begun, cfg.collective_timeout_s,
+                               Path(folder.name))
     begins = [(state.optimizers[w], state.drawn(w)) if state else (None, 0) for w in range(args.workers)]
     # daemons: a worker left stopped or hung never keeps this process from ending
     procs = [ctx.Process(target=hogwild_worker, daemon=True, args=(
@@ -205,10 +208,8 @@ def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
             item = results.get(timeout=min(1.0, limit))
         except queue.Empty:
             item = None
-        except (ConnectionError, EOFError):  # a worker died while its optimizer's state was on the
-            item = None  # way (the queue shares tensors through the sending process): named below
         if item is not None and item[0] == "state":
-            heard[item[1]], states[item[1]] = time.monotonic(), item[3]
+            heard[item[1]], states[item[1]] = time.monotonic(), pause.received(item[1])
             if len(states) == len(procs) and not hogwild_checkpoint(cfg, run_dir, model, pause, states, done):
                 return give_up(procs, heard, limit, f"at the checkpoint after {len(done)} updates")
         elif item is not None:
