@@ -109,6 +109,9 @@ def cell(row: str, column: int) -> str:
     return rf"\| {re.escape(row)} \|" + r" [\d.]+ \|" * column + r" ([\d.]+) \|"
 
 
+DRY_RUN = "python scripts/dry_run.py sbatch --nodes 4 submit_pm_mp.sh --config=mp --tensor_parallel=4"
+
+
 def tp_run(flags: str) -> str:
     """Page 5's 40-step runs, each in a run folder of its own (sp's layout is tp's)."""
     name = "_".join(w.strip("-") for w in flags.split() if not w.isdigit()) + "".join(
@@ -187,6 +190,14 @@ FIGURES = [
     *(Figure("10-deepspeed", DS_COMPARE, cell("deepspeed 2", column), shown, walk=True)
       for column, shown in enumerate(["| stage 2 | [3.40] |", "| stage 2 | 3.40 | [1.70] |",
                                       "| stage 2 | 3.40 | 1.70 | [5.10] |"])),
+    # page 11: the dry run of page 5's tp 4 x dp 4 (fake tensors: the same on every machine)
+    *(Figure("11-cost-model", DRY_RUN, printed, shown, walk=True) for printed, shown in [
+        (r"parameters\s+([\d.]+)", "| dry run | [170.2] |"),
+        (r"activations\s+([\d.]+)", "| dry run | 170.2 | 170.2 | 340.4 | [16200.4] |"),
+        (r"activations\s+[\d.]+\s+([\d.]+)", "| cost model | 170.2 | 170.2 | 340.4 | [14618.3] |"),
+        (r"all_reduce over tp\s+([\d.]+)", "| dry run | 170.2 | 170.2 | 340.4 | 16200.4 | [9112.5] |"),
+        (r"all_reduce over tp\s+[\d.]+\s+([\d.]+)",
+         "| cost model | 170.2 | 170.2 | 340.4 | 14618.3 | [9112.5] |")]),
     # page 7: the pipeline's split, logged as the run starts
     Figure("07-pipeline-parallel", PIPE, r"1f1b schedule, (\d+) micro-batches",
            "1f1b schedule, [4] micro-batches",
