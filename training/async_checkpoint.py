@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,8 +103,7 @@ class HogwildPause:
     def __init__(self, ctx: Any, every: int, workers: int, saved: int, timeout_s: float,
                  folder: Path) -> None:
         self.every, self.timeout_s, self.folder = every, timeout_s, folder  # folder: the states on their way
-        self.saved = ctx.Value("i", saved, lock=False)  # the last update saved (set before the release)
-        self.barrier = ctx.Barrier(workers + 1)
+        self.saved = ctx.Value("i", saved, lock=False)  # the last update saved (set by the release)
 
     def due(self, number: int, total: int) -> bool:
         return bool(self.every) and number < total and number % self.every == 0 and number > self.saved.value
@@ -125,17 +124,19 @@ class HogwildPause:
         path.unlink()
         return state
 
-    def wait(self) -> bool:
-        """False if the parent did not release the workers in time (it died, or gave up)."""
-        try:
-            self.barrier.wait(timeout=self.timeout_s)
-        except threading.BrokenBarrierError:
-            return False
+    def wait(self, number: int) -> bool:
+        """Until the parent has copied the weights of update ``number``; False if it did not in
+        time (it died, or gave up). A shared number, polled: a barrier's release waits for every
+        process it wakes, and a worker killed while waiting would hang the parent there."""
+        deadline = time.monotonic() + self.timeout_s
+        while self.saved.value < number:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
         return True
 
-    def release(self, number: int) -> bool:
+    def release(self, number: int) -> None:
         self.saved.value = number
-        return self.wait()
 
 
 def records(updates: list[dict[str, Any]], samples_per_update: int, every: int) -> list[dict[str, Any]]:

@@ -160,7 +160,7 @@ def hogwild_worker(cfg: Config, model: ViT, rank: int, workers: int, lock: Any, 
             count.value += 0 if due else 1
         if due:  # a checkpoint: every worker waits here until the parent has the weights
             pause.send(results, rank, optimizer, number)
-            if not pause.wait():
+            if not pause.wait(number):
                 return
             continue
         for group in optimizer.param_groups:
@@ -210,8 +210,8 @@ def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
             item = None
         if item is not None and item[0] == "state":
             heard[item[1]], states[item[1]] = time.monotonic(), pause.received(item[1])
-            if len(states) == len(procs) and not hogwild_checkpoint(cfg, run_dir, model, pause, states, done):
-                return give_up(procs, heard, limit, f"at the checkpoint after {len(done)} updates")
+            if len(states) == len(procs):
+                hogwild_checkpoint(cfg, run_dir, model, pause, states, done)
         elif item is not None:
             heard[item[0]] = time.monotonic()
             done.append({"trainer": item[0], "loss": item[1], "seconds": item[2] - start})
@@ -225,15 +225,13 @@ def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
 
 
 def hogwild_checkpoint(cfg: Config, run_dir: Path, model: ViT, pause: saves.HogwildPause,
-                       states: dict[int, dict], done: list[dict[str, Any]]) -> bool:
+                       states: dict[int, dict], done: list[dict[str, Any]]) -> None:
     """Every worker waits with its optimizer's state sent (each sent its updates before it):
-    copy the weights, let the workers go on, write the checkpoint. False if they did not wait."""
+    copy the weights, let the workers go on, write the checkpoint."""
     weights = saves.weights_of(model)
-    if not pause.release(len(done)):
-        return False
+    pause.release(len(done))
     saves.save(run_dir, saves.AsyncState(weights, [states[w] for w in sorted(states)], list(done)), cfg)
     states.clear()
-    return True
 
 
 def process_state(pid: int) -> str:
