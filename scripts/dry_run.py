@@ -431,8 +431,9 @@ def check_torch() -> None:
                          f"{torch.__version__}: it has no fake kernels for some collectives)")
 
 
-def play(job: Job, rank: int) -> RankReport:
-    """One step of ``rank`` of ``job``, on fake tensors over a fake process group."""
+def play(job: Job, rank: int, checkpoint: bool = True) -> RankReport:
+    """One step of ``rank`` of ``job``, on fake tensors over a fake process group, then (with
+    ``checkpoint``) a checkpoint's gather of the weights."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -477,7 +478,7 @@ def play(job: Job, rank: int) -> RankReport:
         mesh = meshes.build_mesh(meshes.requested_sizes(cfg.layout), cfg.parallel_order, "cpu")
         shims.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         recorder = StepRecorder(layouts)
-        kind_of, step_collectives = record_step(cfg, job, rank, mesh, local_batch, step, recorder)
+        kind_of, step_collectives = record_step(cfg, job, rank, mesh, local_batch, step, recorder, checkpoint)
         peak, at_peak = peaks(recorder.events[:recorder.step_events], kind_of)
         peak["checkpoint"] = peaks(recorder.events, kind_of)[0]["total"]
         coords = dict(mesh.coords)
@@ -487,7 +488,7 @@ def play(job: Job, rank: int) -> RankReport:
 
 
 def record_step(cfg: Any, job: Job, rank: int, mesh: Any, local_batch: int, step: type,
-                recorder: StepRecorder) -> tuple[dict[int, str], int]:
+                recorder: StepRecorder, checkpoint: bool = True) -> tuple[dict[int, str], int]:
     """Build the rank's Trainer and run its step under ``recorder``, then the checkpoint's gather.
     Returns each storage's kind and the number of collectives before the gather."""
     from training.context import RunContext
@@ -531,7 +532,7 @@ def record_step(cfg: Any, job: Job, rank: int, mesh: Any, local_batch: int, step
                 hook.remove()
             done = len(recorder.collectives)
             recorder.step_events = len(recorder.events)
-            if cfg.pipeline_parallel == 1:  # (a pipeline gathers its stages' weights as pickled objects)
+            if checkpoint and cfg.pipeline_parallel == 1:  # (a pipeline gathers pickled tensors)
                 trainer.model_state()  # a checkpoint's gather of the weights
     return kind_of, done
 
