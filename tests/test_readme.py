@@ -253,7 +253,8 @@ def outputs_of(words: list[str]) -> list[str]:
     return ([run] if run else []) + named
 
 
-def course_plan(commands: list[Command], have_deepspeed: bool = HAVE_DEEPSPEED) -> dict[Command, str]:
+def course_plan(commands: list[Command], have_deepspeed: bool = HAVE_DEEPSPEED,
+                dry_run_torch: bool = DRY_RUN_TORCH) -> dict[Command, str]:
     """The commands the course check leaves out here, each with the reason: those of an optional
     part that is not installed, and every later command that reads what a left-out one writes
     (page 10 compares the DeepSpeed runs it starts: without DeepSpeed the comparison goes too)."""
@@ -264,7 +265,7 @@ def course_plan(commands: list[Command], have_deepspeed: bool = HAVE_DEEPSPEED) 
         reason = None
         if needs_deepspeed(words) and not have_deepspeed:
             reason = "DeepSpeed is not installed (make deepspeed installs it)"
-        elif script_of(words) == "dry_run.py" and not DRY_RUN_TORCH:
+        elif script_of(words) == "dry_run.py" and not dry_run_torch:
             reason = "the dry run needs torch 2.11 or newer (tests/test_dry_run.py checks its refusal)"
         else:
             for word in words:
@@ -518,7 +519,9 @@ def test_without_deepspeed_what_reads_its_runs_is_left_out_too():
         if cmd not in plan:
             assert not any(w == out or w.startswith(out + "/") for w in cmd.env_and_words[1]
                            for out in missing), f"{cmd.where} reads what a left-out command writes"
-    assert course_plan(COMMANDS, have_deepspeed=True) == {}
+    assert course_plan(COMMANDS, have_deepspeed=True, dry_run_torch=True) == {}
+    old_torch = course_plan(COMMANDS, have_deepspeed=True, dry_run_torch=False)  # 2.8: the dry run out
+    assert [script_of(c.env_and_words[1]) for c in old_torch] == ["dry_run.py"]
 
 
 def test_planned_run_folders_are_the_launchers():
