@@ -117,6 +117,7 @@ class RankReport:
     checkpoint: list[Collective]  # the checkpoint's gather
     predicted: dict[str, int]  # the cost model's memory of this rank
     predicted_collectives: dict[tuple[str, str], int]  # (kind, dimension) -> bytes
+    largest: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # at the activations' peak
 
 
 COLLECTIVES = {  # op name -> (kind, which argument's bytes count)
@@ -481,10 +482,12 @@ def play(job: Job, rank: int, checkpoint: bool = True) -> RankReport:
         kind_of, step_collectives = record_step(cfg, job, rank, mesh, local_batch, step, recorder, checkpoint)
         peak, at_peak = peaks(recorder.events[:recorder.step_events], kind_of)
         peak["checkpoint"] = peaks(recorder.events, kind_of)[0]["total"]
+        largest = [(nbytes, recorder.made_by.get(number, "?"))
+                   for nbytes, number in largest_at_peak(recorder.events[:recorder.step_events], kind_of, 3)]
         coords = dict(mesh.coords)
     predicted, predicted_coll = prediction(cfg, sizes, local_batch, job.per_node, coords)
     return RankReport(rank, coords, peak, at_peak, recorder.collectives[:step_collectives],
-                      recorder.collectives[step_collectives:], predicted, predicted_coll)
+                      recorder.collectives[step_collectives:], predicted, predicted_coll, largest)
 
 
 def record_step(cfg: Any, job: Job, rank: int, mesh: Any, local_batch: int, step: type,
@@ -606,6 +609,8 @@ def table(report: RankReport) -> str:
     lines.append(f"  {'peak of all':<24}{report.peak['total'] / MIB:>12.1f}"
                  f"{(report.predicted.get('total', 0) + unchecked) / MIB:>12.1f}")
     lines.append(f"  {'with the checkpoint':<24}{report.peak['checkpoint'] / MIB:>12.1f}")
+    for nbytes, made in report.largest:  # what to shrink first: the operation, shape and dtype
+        lines.append(f"  {'  largest: ' + made:<48}{nbytes / MIB:>10.1f}")
     lines.append(f"  {'collectives (MiB)':<24}{'dry run':>12}{'cost model':>12}")
     for key, nbytes in collective_sums(report).items():
         lines.append(f"  {key[0] + ' over ' + key[1]:<24}{nbytes / MIB:>12.1f}"
