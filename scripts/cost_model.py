@@ -1027,7 +1027,7 @@ def layout_from(cfg: Any, ranks: int) -> Layout:
     return Layout(ranks, cfg.data_parallel, cfg.tensor_parallel, cfg.context_parallel, cfg.pipeline_parallel,
                   cfg.expert_parallel, cfg.pipeline_schedule, cfg.num_microbatches, cfg.stages_per_rank,
                   cfg.activation_checkpointing, cfg.global_batch_size, cfg.dp_shard,
-                  cfg.weight_stashing)
+                  cfg.weight_stashing, cfg.sequence_parallel)
 
 
 def show(m: Model, lay: Layout, machine: dict[str, Any] | None, dtype: str) -> str:

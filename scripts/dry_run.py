@@ -39,13 +39,16 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import shlex
 import sys
 import tempfile
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -89,12 +92,14 @@ def job_from(words: list[str], ranks: int | None = None) -> Job:
             raise ValueError(f"sbatch runs one of {', '.join(SUBMIT_SCRIPTS)} here")
         script = Path(words[0]).name
         per_node = 1 if script == "submit_pm.sh" else GPUS_PER_NODE
+        if nodes < 1:
+            raise ValueError(f"--nodes {nodes}: a job has at least 1 node")
         return Job(SUBMIT_SCRIPTS[script], words[1:], ranks or nodes * per_node, per_node)
     if not words or Path(words[0]).name not in ("train.py", "train_mp.py"):
         raise ValueError("give the job as the page does (sbatch --nodes N submit_pm_mp.sh ...) or as "
                          "--ranks N train.py|train_mp.py ...")
-    if not ranks:
-        raise ValueError("--ranks N: the job's world size (nodes x 4 GPUs on Perlmutter)")
+    if not ranks or ranks < 1:
+        raise ValueError("--ranks N: the job's world size, at least 1 (nodes x 4 GPUs on Perlmutter)")
     return Job(Path(words[0]).name, words[1:], ranks, min(ranks, GPUS_PER_NODE))
 
 
@@ -216,16 +221,6 @@ class StepRecorder(TorchDispatchMode):
         self.collectives.append(Collective(kind, label, len(ranks), nbytes))
 
 
-@contextlib.contextmanager
-def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 def balanced(experts: int, ep: int, ep_rank: int, assignments: int) -> list[int]:
     """The MoE layer's counts under balanced routing (the cost model's assumption): what this rank
     sends to each of the ``experts``, then what each of the ``ep`` ranks sends to each of its own
@@ -278,22 +273,6 @@ def real_tensors(function: Any) -> Any:
     return run
 
 
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    import os
-
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def static_stage_shapes(cfg: Any, local_batch: int) -> contextlib.AbstractContextManager:
     """torch's pipeline stages, given no example input and output, learn their neighbours'
     shapes at the first step from pickled objects the stages send each other, which a fake
@@ -322,7 +301,7 @@ def static_stage_shapes(cfg: Any, local_batch: int) -> contextlib.AbstractContex
         return original(submodule, stage_index, num_stages, device, *args, input_args=(example,),
                         output_args=(out,), **kwargs)
 
-    return patched(pipelining, "PipelineStage", stage)
+    return mock.patch.object(pipelining, "PipelineStage", stage)
 
 
 def own_pipeline_vote() -> contextlib.AbstractContextManager:
@@ -341,11 +320,10 @@ def own_pipeline_vote() -> contextlib.AbstractContextManager:
             stage._inference_mode = mode.DYNAMIC if mode.needs_dynamic(stage._user_meta, has_backward) \
                 else mode.STATIC
 
-    return patched(schedules._PipelineSchedule, "_warmup_p2p", own_vote)
+    return mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", own_vote)
 
 
-@contextlib.contextmanager
-def resizes_seen(recorder: StepRecorder) -> Iterator[None]:
+def resizes_seen(recorder: StepRecorder) -> contextlib.AbstractContextManager:
     """FSDP frees and re-allocates its gathered weights by resizing their storage in place."""
     original = torch.UntypedStorage.resize_
 
@@ -354,11 +332,7 @@ def resizes_seen(recorder: StepRecorder) -> Iterator[None]:
         recorder.resized(storage, size)
         return result
 
-    torch.UntypedStorage.resize_ = resize_
-    try:
-        yield
-    finally:
-        torch.UntypedStorage.resize_ = original
+    return mock.patch.object(torch.UntypedStorage, "resize_", resize_)
 
 
 def peaks(events: list[tuple[int, int]], kind_of: dict[int, str]) -> tuple[dict[str, int], dict[str, int]]:
@@ -458,23 +432,23 @@ def play(job: Job, rank: int, checkpoint: bool = True) -> RankReport:
     with contextlib.ExitStack() as shims:
         # the values do not matter: a truncated normal's resampling asks for data, which a fake
         # tensor has not; where the ranks sit is computed, not gathered (a fake gather returns nothing)
-        shims.enter_context(patched(torch.nn.init, "trunc_normal_", lambda t, *a, **k: t))
-        shims.enter_context(patched(meshes, "log_placement", lambda mesh: None))
-        shims.enter_context(patched(experts, "gather_placement", lambda mesh, names: [
+        shims.enter_context(mock.patch.object(torch.nn.init, "trunc_normal_", lambda t, *a, **k: t))
+        shims.enter_context(mock.patch.object(meshes, "log_placement", lambda mesh: None))
+        shims.enter_context(mock.patch.object(experts, "gather_placement", lambda mesh, names: [
             ("dry run", {n: next(g for g in layouts[n] if r in g) for n in names})
             for r in range(job.ranks)]))
         shims.enter_context(own_pipeline_vote())
         shims.enter_context(static_stage_shapes(cfg, local_batch))
-        shims.enter_context(patched(dist, "all_reduce", all_reduce_with_value))
-        shims.enter_context(patched(mappings, "REDUCE_SCATTER_BACKENDS", (*mappings.REDUCE_SCATTER_BACKENDS,
-                                                                          "fake")))  # as NCCL
-        shims.enter_context(patched(experts, "host_counts", lambda counts, total: balanced(
+        shims.enter_context(mock.patch.object(dist, "all_reduce", all_reduce_with_value))
+        backends = (*mappings.REDUCE_SCATTER_BACKENDS, "fake")  # the fake group reduce-scatters as NCCL
+        shims.enter_context(mock.patch.object(mappings, "REDUCE_SCATTER_BACKENDS", backends))  # as NCCL
+        shims.enter_context(mock.patch.object(experts, "host_counts", lambda counts, total: balanced(
             len(counts) // 2, cfg.expert_parallel, mesh.coords.get("ep", 0), total)))
-        shims.enter_context(patched(sharding, "hsdp_mesh", real_tensors(sharding.hsdp_mesh)))
-        shims.enter_context(environment(LOCAL_WORLD_SIZE=str(job.per_node)))
+        shims.enter_context(mock.patch.object(sharding, "hsdp_mesh", real_tensors(sharding.hsdp_mesh)))
+        shims.enter_context(mock.patch.dict(os.environ, LOCAL_WORLD_SIZE=str(job.per_node)))  # HSDP's groups
         if job.ranks == 1:  # Module.to_empty swaps each meta tensor for a fake one, which fake
             # tensors refuse; the parallel path's allocation makes new parameters instead
-            shims.enter_context(patched(torch.nn.Module, "to_empty", allocated))
+            shims.enter_context(mock.patch.object(torch.nn.Module, "to_empty", allocated))
         shims.callback(dist.destroy_process_group)
         mesh = meshes.build_mesh(meshes.requested_sizes(cfg.layout), cfg.parallel_order, "cpu")
         shims.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
@@ -509,7 +483,7 @@ def record_step(cfg: Any, job: Job, rank: int, mesh: Any, local_batch: int, step
     with tempfile.TemporaryDirectory() as run_dir:
         ctx = RunContext(device=device, run_dir=Path(run_dir), rank=rank, world_size=job.ranks,
                          local_rank=rank % job.per_node, mesh=mesh)
-        with patched(Trainer, "build_data", lambda self, split, train: NoBatches()):
+        with mock.patch.object(Trainer, "build_data", lambda self, split, train: NoBatches()):
             trainer = Trainer(cfg, ctx, local_batch, step=step)
         optimizer = trainer.optimizer
 
@@ -569,11 +543,8 @@ def prediction(cfg: Any, sizes: dict[str, int], local_batch: int, per_node: int,
 
     mode = cfg.data_parallel
     dp = sizes[meshes.DATA]
-    shard = meshes.hsdp_shard(cfg.layout, dp, per_node) if mode == "hsdp" else 0
-    lay = cm.Layout(math.prod(sizes.values()), mode, sizes["tp"], sizes["cp"], sizes["pp"],
-                    cfg.expert_parallel,
-                    cfg.pipeline_schedule, cfg.num_microbatches, cfg.stages_per_rank,
-                    cfg.activation_checkpointing, local_batch * dp, shard, sp=cfg.sequence_parallel)
+    shard = meshes.hsdp_shard(cfg.layout, dp, per_node) if mode == "hsdp" else 0  # 0: resolved per node
+    lay = replace(cm.layout_from(cfg, math.prod(sizes.values())), batch=local_batch * dp, dp_shard=shard)
     m = cm.Model.from_config(cfg)
     dtype = "float32" if cfg.amp_mode == "none" else "bfloat16"
     memory = cm.memory(m, lay, coords.get("pp", 0), coords.get("dp", 0), dtype=dtype)

@@ -17,6 +17,7 @@ the last pipeline stage's rank where there is one). Checked against the cost mod
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -186,3 +187,8 @@ def test_the_command_line_prints_the_table_and_refuses_in_one_line():
                           "--config=tiny"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and bad.stderr == "error: --rank 9: the job has ranks 0 to 3\n"
+    for words, ranks, said in ((["train.py"], -3, "--ranks N: the job's world size, at least 1"),
+                               (["sbatch", "--nodes", "0", "submit_pm_dp.sh"], None, "--nodes 0: a job has"),
+                               (["ls"], None, "give the job as the page does")):
+        with pytest.raises(ValueError, match="^" + re.escape(said)):
+            dr.job_from(words, ranks)
