@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ from scripts.code_ranges import CODE_RANGE, span
 from scripts.make_synthetic_era5 import generate
 from scripts.page_figures import FIGURES, Figure
 from scripts.page_figures import check as figure_check
+from scripts.page_stats import Command, readme_commands
 from tests.conftest import REPO, subprocess_env
 from utils.config import DEFAULT_YAML, available_configs, load_config
 
@@ -62,67 +62,9 @@ SBATCH_OPTIONS_WITH_VALUE = {"-N", "--nodes", "-n", "--ntasks", "-t", "--time", 
 SBATCH_FLAGS = {"--requeue", "--exclusive"}
 
 
-@dataclass(frozen=True)
-class Command:
-    line: int  # line of its page where the command starts
-    text: str
-    page: str = "README.md"
-
-    @property
-    def where(self) -> str:
-        return f"{self.page} line {self.line}"
-
-    @property
-    def env_and_words(self) -> tuple[dict[str, str], list[str]]:
-        words = shlex.split(self.text)
-        env = {}
-        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
-            key, value = words.pop(0).split("=", 1)
-            env[key] = value
-        return env, words
-
-
-def readme_commands(text: str | None = None, page: str = "README.md") -> list[Command]:
-    """Commands of a page's ```bash blocks, with continuation lines joined."""
-    text = README.read_text() if text is None else text
-    commands: list[Command] = []
-    in_bash, pending, start = False, "", 0
-    for number, raw in enumerate(text.splitlines(), 1):
-        stripped = raw.strip()
-        if stripped.startswith("```"):
-            in_bash = not in_bash and stripped in ("```bash", "```sh", "```shell")
-            continue
-        if not in_bash:
-            continue
-        line = raw[: _comment_start(raw)].rstrip()
-        if not pending:
-            start = number
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        full = " ".join((pending + line).split())
-        pending = ""
-        if full:
-            commands.append(Command(start, full, page))
-    return commands
-
-
 def course_commands() -> list[Command]:
     return [cmd for page in PAGES
             for cmd in readme_commands(page.read_text(), page.relative_to(REPO).as_posix())]
-
-
-def _comment_start(line: str) -> int:
-    """Index of a shell comment's '#' outside quotes (len(line) if none)."""
-    quote = None
-    for i, ch in enumerate(line):
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
-            return i
-    return len(line)
 
 
 # ------------------------------------------------------------------------ checks ---
