@@ -22,7 +22,7 @@ data: $(DATA)/stats/global_stds.npy
 
 # regenerated when the generator is newer than the data (after a pull that changed it), so
 # the demo always trains on what the course pages' numbers were measured on
-$(DATA)/stats/global_stds.npy: scripts/make_synthetic_era5.py utils/era5.py | $(STAMP)
+$(DATA)/stats/global_stds.npy: scripts/make_synthetic_era5.py utils/synthetic_era5.py utils/era5.py | $(STAMP)
 	$(BIN)/python scripts/make_synthetic_era5.py --output_dir $(DATA) --img_size 32 64 --samples_per_year 730
 
 train: venv data

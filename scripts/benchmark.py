@@ -765,11 +765,11 @@ def ensure_data(cfg: Config, samples: int) -> None:
     """Generate synthetic data of the config's grid when its data directory is missing."""
     if cfg.data_path.exists():
         return
-    from scripts.make_synthetic_era5 import generate
+    from utils.synthetic_era5 import generate
 
     print(f"generating {samples} samples per split of synthetic data in {cfg.data_path}", file=sys.stderr)
     generate(cfg.data_path, cfg.img_size, samples, {"train": [2016], "valid": [2017], "test": [2018]},
-             seed=0, quiet=True)
+             seed=0)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

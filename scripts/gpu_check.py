@@ -406,13 +406,13 @@ def write_run_config(cfg: Any, path: Path) -> Path:
 
 
 def check_data(ctx: Context) -> dict[str, Any]:
-    from scripts.make_synthetic_era5 import generate
     from utils.config import DEFAULT_YAML, load_config, with_overrides
+    from utils.synthetic_era5 import generate
 
     a = ctx.args
     data = ctx.work / "data"
     generate(data, IMG_SIZE, a.samples_per_year, {"train": [2016], "valid": [2017], "test": []},
-             seed=0, quiet=True)
+             seed=0)
     cfg = with_overrides(load_config(DEFAULT_YAML, "short"), data_dir=str(data), img_size=IMG_SIZE,
                          expdir=str(ctx.work / "runs"), global_batch_size=a.batch,
                          limit_nsamples_val=VALID_SAMPLES, num_data_workers=a.workers)

@@ -21,9 +21,9 @@ sys.path.insert(0, str(REPO))
 # in the suite). Subprocesses get the same from subprocess_env.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from scripts.make_synthetic_era5 import generate  # noqa: E402
 from utils.config import DEFAULT_YAML, Config, load_config, with_overrides  # noqa: E402
 from utils.device import cuda_available  # noqa: E402
+from utils.synthetic_era5 import generate  # noqa: E402
 
 TEST_IMG = (16, 32)
 TEST_SAMPLES_PER_YEAR = 40
@@ -69,7 +69,7 @@ def data_dir(tmp_path_factory) -> Path:
     """Two training years, one validation and one test year of 40 steps on a 16 x 32 grid."""
     out = tmp_path_factory.mktemp("era5")
     years = {"train": [2016, 2017], "valid": [2018], "test": [2019]}
-    generate(out, TEST_IMG, TEST_SAMPLES_PER_YEAR, years, seed=1, quiet=True)
+    generate(out, TEST_IMG, TEST_SAMPLES_PER_YEAR, years, seed=1)
     return out
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from scripts import make_synthetic_era5 as gen
 from tests.conftest import REPO, TEST_IMG, TEST_SAMPLES_PER_YEAR, subprocess_env
+from utils import synthetic_era5 as gen
 from utils.data_loader import DataError, ERA5Dataset, ShardedSampler, get_data_loader
 from utils.era5 import CHANNELS, channel_index, latitudes
 
@@ -44,10 +44,10 @@ def test_stats_are_those_of_the_training_years(data_dir):
 
 def test_deterministic_and_independent_of_block_size(tmp_path, monkeypatch):
     years = {"train": [2000, 2001], "valid": [2002], "test": [2003]}
-    gen.generate(tmp_path / "a", (8, 16), 12, years, seed=3, quiet=True)
+    gen.generate(tmp_path / "a", (8, 16), 12, years, seed=3)
     monkeypatch.setattr(gen, "BLOCK_BYTES", 5 * 20 * 8 * 16 * 4)  # 5 samples per block
-    gen.generate(tmp_path / "b", (8, 16), 12, years, seed=3, quiet=True)
-    gen.generate(tmp_path / "c", (8, 16), 12, years, seed=4, quiet=True)
+    gen.generate(tmp_path / "b", (8, 16), 12, years, seed=3)
+    gen.generate(tmp_path / "c", (8, 16), 12, years, seed=4)
     a, b, c = (fields(tmp_path / x / "train" / "2001.h5") for x in "abc")
     np.testing.assert_array_equal(a, b)
     assert not np.allclose(a, c)
@@ -203,7 +203,7 @@ def test_make_data_regenerates_when_the_generator_changes(tmp_path):
                               capture_output=True, text=True, check=True).stdout
 
     assert "make_synthetic_era5.py" not in dry_run()
-    for changed in ("scripts/make_synthetic_era5.py", "utils/era5.py"):
+    for changed in ("scripts/make_synthetic_era5.py", "utils/synthetic_era5.py", "utils/era5.py"):
         assert "make_synthetic_era5.py" in dry_run("-W", changed), changed
 
 
@@ -233,12 +233,12 @@ def test_loader_work_stays_on_one_thread_whatever_torch_has(tmp_path):
     the script shows that a torch operation of the same size does start the pool."""
     code = f"""
 import os, pathlib, torch
-from scripts.make_synthetic_era5 import generate
+from utils.synthetic_era5 import generate
 from tests.conftest import make_cfg
 from utils.data_loader import get_data_loader
 torch.set_num_threads(8)
 years = {{"train": [2016], "valid": [2017], "test": [2018]}}
-generate(pathlib.Path({str(tmp_path)!r}), (64, 128), 6, years, seed=0, quiet=True)
+generate(pathlib.Path({str(tmp_path)!r}), (64, 128), 6, years, seed=0)
 cfg = make_cfg({str(tmp_path)!r}, {str(tmp_path)!r}, img_size=(64, 128), num_data_workers=0)
 threads = lambda: len(os.listdir("/proc/self/task"))
 before = threads()
@@ -255,3 +255,15 @@ print(before, after, threads())
     before, after, with_torch_op = map(int, result.stdout.split())
     assert after == before, f"loading started {after - before} threads"
     assert with_torch_op > after, "torch did not go parallel here: the test cannot see the loader's threads"
+
+
+def test_the_tests_make_their_data_with_the_library():
+    """The generator is library code (utils/synthetic_era5.py); the script is its command line only,
+    so no test imports scripts/ to make data."""
+    import ast
+
+    for path in sorted((REPO / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                assert not any(n.endswith("make_synthetic_era5") for n in names), path.name

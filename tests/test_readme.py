@@ -29,12 +29,12 @@ import pytest
 import torch
 
 from scripts.code_ranges import CODE_RANGE, span
-from scripts.make_synthetic_era5 import generate
 from scripts.page_figures import FIGURES, Figure
 from scripts.page_figures import check as figure_check
 from scripts.page_stats import Command, readme_commands
 from tests.conftest import REPO, subprocess_env
 from utils.config import DEFAULT_YAML, available_configs, load_config
+from utils.synthetic_era5 import generate
 
 README = REPO / "README.md"
 DOCS = REPO / "docs"
@@ -108,7 +108,7 @@ class Runner:
         size = load_config(DEFAULT_YAML, config).img_size
         if size not in self.data:
             out = self.tmp / f"data_{size[0]}x{size[1]}"
-            generate(out, size, 24, {"train": [2016], "valid": [2017], "test": [2018]}, seed=0, quiet=True)
+            generate(out, size, 24, {"train": [2016], "valid": [2017], "test": [2018]}, seed=0)
             self.data[size] = out
         return self.data[size]
 
