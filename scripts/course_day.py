@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out if args.out.is_absolute() else REPO / args.out
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    rows, skipped, count = [], [], 0
+    rows, ran, skipped = [], [], []
     for page in part_pages(args.parts):
         name = page.relative_to(REPO).as_posix()
         text = page.read_text()
@@ -102,13 +102,15 @@ def main(argv: list[str] | None = None) -> int:
             if why:
                 skipped.append({"where": cmd.where, "command": cmd.text, "why": why})
                 continue
-            count += 1
             print(f"[{datetime.datetime.now():%H:%M:%S}] {cmd.where}: {cmd.text}", flush=True)
-            seconds += run(cmd, env, out / f"{count:02d}.log")
+            log = out / f"{len(ran) + 1:02d}.log"
+            ran.append({"where": cmd.where, "command": cmd.text, "log": log.name,
+                        "seconds": round(run(cmd, env, log), 1)})
+            seconds += ran[-1]["seconds"]
         rows.append({"page": name, "run_s": round(seconds, 1),
                      "read_s": round(len(text.split()) / WORDS_PER_MINUTE * 60, 1)})
     report = {"machine": machine(), "date": datetime.date.today().isoformat(), "parts": args.parts,
-              "words_per_minute": WORDS_PER_MINUTE, "pages": rows, "left_out": skipped}
+              "words_per_minute": WORDS_PER_MINUTE, "pages": rows, "commands": ran, "left_out": skipped}
     (out / "day.json").write_text(json.dumps(report, indent=1))
     run_s, read_s = sum(r["run_s"] for r in rows), sum(r["read_s"] for r in rows)
     lines = [f"{report['machine']}, {report['date']}", "", "| page | running, min | reading, min |",

@@ -4,6 +4,7 @@ and a pass that reruns those commands as written and compares.
 
     python scripts/page_figures.py                 # every page; a long run (the full trainings)
     python scripts/page_figures.py --pages 05 06   # some pages
+    python scripts/page_figures.py --day logs/course_day   # outputs of scripts/course_day.py's commands
 
 A figure is a number on a page, written in [brackets] in FIGURES below with the page's text
 around it, the command that prints it and where in its output. The number of digits the page
@@ -240,15 +241,29 @@ def run(command: str, tmp: Path) -> str:
     return result.stdout
 
 
+def day_outputs(folders: list[Path]) -> dict[str, str]:
+    """What each command a learner's day ran printed (its day.json lists them with their logs)."""
+    outputs = {}
+    for folder in folders:
+        try:
+            ran = json.loads((folder / "day.json").read_text())["commands"]
+        except (OSError, ValueError, KeyError):
+            raise SystemExit(f"error: {folder} has no day.json of scripts/course_day.py") from None
+        outputs.update({c["command"]: (folder / c["log"]).read_text() for c in ran})
+    return outputs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pages", nargs="+", default=None, help="page numbers (01 ... 13); default all")
     parser.add_argument("--out", type=Path, default=Path("logs/figures"))
+    parser.add_argument("--day", type=Path, nargs="+", default=[],
+                        help="scripts/course_day.py's folders: the commands they ran are read, not rerun")
     args = parser.parse_args(argv)
     chosen = [f for f in FIGURES if args.pages is None or f.page[:2] in args.pages]
     if not chosen:
         raise SystemExit(f"error: no figures on pages {args.pages}; the pages are 01 to 13")
-    results, outputs = [], {}
+    results, outputs = [], day_outputs(args.day)
     with tempfile.TemporaryDirectory() as tmp:
         for figure in chosen:
             for command in [*NEEDS.get(figure.command, []), figure.command]:

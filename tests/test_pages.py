@@ -398,3 +398,31 @@ def test_a_run_by_hand_without_srun_pm_is_found():
             "IMAGE=x shifter --image=x bash -c 'cd /repo && python train.py'\n```\n")
     found = [command.split()[0:2] for _, command in shifter_runs(page)]
     assert found == [["shifter", "--image=nersc/pytorch:25.06.01"], ["IMAGE=x", "shifter"], ["srun", "-n"]]
+
+
+def test_a_learners_day_runs_what_a_learner_runs_here():
+    """scripts/course_day.py runs every command of the quick start and parts 1 to 5 except those
+    it gives a reason for; what it runs is python, torchrun or `make data`, nothing of Perlmutter."""
+    from scripts import course_day
+
+    ran, reasons = [], set()
+    for page in course_day.part_pages([1, 2, 3, 4, 5]):
+        for cmd in page_stats.readme_commands(page.read_text(), page.name):
+            why = course_day.left_out(cmd.text)
+            (reasons.add(why) if why else ran.append(cmd.text))
+    assert reasons == {"Perlmutter", "a server, watched beside the runs", "the test suite, not a lesson",
+                       "an exercise: fails until the learner writes its part",
+                       "the real-size synthetic data, optional"}
+    assert "make data" in ran and "python train.py --config tiny" in ran
+    runs_here = r"(OMP_NUM_THREADS=\d+ )?(python|torchrun)\b|make data$|source "
+    assert all(re.match(runs_here, c) for c in ran), ran
+
+
+def test_a_learners_day_stops_at_a_failing_command(tmp_path):
+    from scripts import course_day
+
+    with pytest.raises(SystemExit, match=r"x.md line 3: `echo out; exit 3` failed \(exit 3\).*\nout"):
+        course_day.run(page_stats.Command(3, "echo out; exit 3", "x.md"), {"PATH": "/usr/bin:/bin"},
+                       tmp_path / "01.log")
+    assert course_day.left_out("bash srun_pm.sh train.py") == "Perlmutter"
+    assert course_day.left_out("python train.py --config tiny") is None
