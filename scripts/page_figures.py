@@ -9,7 +9,9 @@ and a pass that reruns those commands as written and compares.
 A figure is a number on a page, written in [brackets] in FIGURES below with the page's text
 around it, the command that prints it and where in its output. The number of digits the page
 shows is the rounding: the figure holds if the printed value, rounded so, is what the page says
-(where a figure differs from CPU to CPU, the page shows fewer digits). Figures that do not depend
+(where a figure differs from CPU to CPU, the page shows fewer digits). A time or a rate holds
+within its share `within` of the page's value, on the machine the page names beside it (times
+move with a machine's load; on another CPU they are that CPU's). Figures that do not depend
 on how long the run trains (parameter counts, memory per rank, bytes per step) are also checked
 by the course walk (tests/test_readme.py), which runs every command with few steps; the losses of
 full runs are checked here. The pass writes OUT/figures.json with the machine and the date.
@@ -44,6 +46,7 @@ class Figure:
     pick: int = 0  # which match of `printed` (-1: the last, as a run's final loss)
     scale: float = 1.0  # printed value x scale = the page's unit (1e-6: parameters in millions)
     walk: bool = False  # independent of the run's length: the course walk checks it too
+    within: float = 0.0  # a time or a rate: holds within this share of the page's value
 
     @property
     def text(self) -> str:
@@ -71,8 +74,12 @@ def check(figure: Figure, output: str) -> str | None:
     if not found or not -len(found) <= figure.pick < len(found):
         return (f"{figure.page}: `{figure.command}` printed nothing like {figure.printed!r} "
                 f"for {figure.text!r}")
-    printed = rounded(float(found[figure.pick]) * figure.scale, figure.value)
-    if printed != figure.value:
+    value = float(found[figure.pick]) * figure.scale
+    printed = rounded(value, figure.value)
+    if figure.within and abs(value - float(figure.value)) > figure.within * float(figure.value):
+        return (f"{figure.page}: {figure.text!r} says {figure.value}, `{figure.command}` measured "
+                f"{printed}, more than {figure.within:.0%} off: rerun the page's command and update the page")
+    if not figure.within and printed != figure.value:
         return (f"{figure.page}: {figure.text!r} says {figure.value}, `{figure.command}` printed "
                 f"{printed}: rerun the page's command and update the page")
     return None

@@ -584,6 +584,9 @@ def test_a_figure_the_command_no_longer_prints_fails():
     assert "printed nothing" in figure_check(fig, "other output")
     millions = Figure("01", "c", r"(\d+) parameters", "([0.89]M", scale=1e-6)
     assert figure_check(millions, "892096 parameters") is None
+    rate = Figure("02", "c", r"([\d.]+) samples/s", "about [140] samples/s", within=0.3)
+    assert figure_check(rate, "170.2 samples/s") is None
+    assert "more than 30% off" in figure_check(rate, "190.0 samples/s")
 
 
 def page_id(page: Path) -> str:
