@@ -798,7 +798,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--attention_kernel", choices=ATTENTION_KERNELS,
                    help="attention kernel of every rung and bare loop (default: the config's, auto)")
     p.add_argument("--matmul_size", type=int, default=2048,
-                   help="matmul peak: best of n/2, n and 2n square matmuls")
+                   help="matmul peak: best of square matmuls of n/8 to 2n")
     p.add_argument("--shape_seconds", type=float, default=0.25,
                    help="about how long each of the model's matmul shapes is timed per dtype "
                    "(the shape peak)")

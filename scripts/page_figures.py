@@ -117,6 +117,41 @@ def cell(row: str, column: int) -> str:
     return rf"\| {re.escape(row)} \|" + r" [\d.]+ \|" * column + r" ([\d.]+) \|"
 
 
+def md_cell(row: str, column: int) -> str:
+    """The number in the `column`-th cell after a printed markdown row's first (`row`); bold, a % or
+    an x allowed."""
+    return (rf"(?m)^\| \**{re.escape(row)}\** \|" + r"[^|\n]*\|" * column
+            + r" \**([\d.]+)\**[%x]? \|")
+
+
+def row_figures(page: str, command: str, row: str, printed: list[str | None], within: float = 0.0,
+                label_cells: int = 1) -> list[Figure]:
+    """A figure for each number of the page's table `row` after its first `label_cells` cells, in
+    order: the k-th is printed where `printed[k]` finds it (None: not checked)."""
+    start = [i for i, ch in enumerate(row) if ch == "|"][label_cells]
+    numbers = list(re.finditer(r"\d+(?:\.\d+)?", row[start:]))
+    assert len(numbers) == len(printed), (row, len(numbers))
+    return [Figure(page, command, pattern, row[:start + m.start()] + f"[{m.group()}]", within=within)
+            for m, pattern in zip(numbers, printed) if pattern is not None]
+
+
+def attention_ms(dtype: str, kernel: str, part: int) -> str:
+    """The benchmark's attention table: forward (part 0) or backward (1) ms of a kernel."""
+    return rf"\| {dtype} \| \**{kernel}\** \|" + r" [\d.]+ \|" * part + r" ([\d.]+) \|"
+
+
+BENCH = "python scripts/benchmark.py --config tiny --rungs baseline,+AMP --steps 20"
+FLASH = BENCH + " --attention_kernel flash"
+LADDER = "python scripts/benchmark.py --config small --steps 6 --warmup 2 --profile_steps 1"
+PROFILE = "python scripts/plot_profile.py --run_dir logs/tiny_short/1GPU/profile --out logs/plots/profile.png"
+LADDER_ROWS = ["| baseline | 6.32 | 0.96x | 762 | 1683 | 64.2% | 68.2% |",
+               "| +workers | 6.81 | 0.99x | 727 | 1720 | 69.3% | 73.6% |",
+               "| +DALI | 7.18 | 0.97x | 667 | 1430 | 73.0% | 77.5% |",
+               "| +AMP | 14.06 | 1.00x | 358 | 737 | 36.5% | 39.6% |",
+               "| +fused | 13.05 | 0.94x | 424 | 759 | 33.8% | 36.8% |",
+               "| +compile | 13.68 | 1.06x | 410 | 788 | 35.5% | 38.5% |"]
+
+
 DRY_RUN = "python scripts/dry_run.py sbatch --nodes 4 submit_pm_mp.sh --config=mp --tensor_parallel=4"
 
 
@@ -151,6 +186,31 @@ FIGURES = [
            "| `tiny_large` | [3.36]M |", scale=1e-6, walk=True),
     Figure("01-single-device", "python train.py --config tiny_large --run_num sizes", VAL,
            "| `tiny_large` | 3.36M | [0.0101] |", pick=-1),
+    # page 2: the profile, the attention kernels, the ladder (times and rates of this machine)
+    Figure("02-optimizations", PROFILE, r"(\d+) ms in steps", "four steps of about [130] ms", scale=0.25,
+           within=0.3),
+    Figure("02-optimizations", PROFILE, r"(\d+) ms waiting", "[6] ms in all between them", within=1.0),
+    *(fig for command, row in [
+        (FLASH, "| `tiny` (16, 4, 128, 32) | fp32 | 1.74 + 3.68 | 2.03 + 2.57 |"),
+        (FLASH, "| `tiny` (16, 4, 128, 32) | bf16 | 1.55 + **8.99** | 2.29 + 3.12 |"),
+        (LADDER, "| `small` (16, 8, 512, 32) | bf16 | 38.18 + 77.46 | 102.55 + 168.04 |")]
+      for fig in row_figures("02-optimizations", command, row, [
+          attention_ms(row.split(" | ")[1], kernel, part) for kernel in ("flash", "math") for part in (0, 1)],
+          within=0.5, label_cells=2)),
+    Figure("02-optimizations", FLASH, md_cell("baseline", 0),
+           "`tiny` trained at [139] samples/s", within=0.3),
+    Figure("02-optimizations", FLASH, md_cell("+AMP", 0),
+           "[211] in bf16 with flash", within=0.3),
+    Figure("02-optimizations", BENCH, md_cell("+AMP", 0), "[226] with `auto`", within=0.3),
+    *(fig for row in LADDER_ROWS for fig in row_figures(
+        "02-optimizations", LADDER, row, [md_cell(row.split(" | ")[0][2:], c) for c in (0, 2, 5, 6, 9, 10)],
+        within=0.3)),
+    Figure("02-optimizations", LADDER, r"one large square matmul fp32 ([\d.]+)", "goes from [202] to",
+           within=0.3),
+    Figure("02-optimizations", LADDER, r"one large square matmul fp32 [\d.]+, bf16 ([\d.]+)",
+           "to [793] GFLOP/s", within=0.3),
+    Figure("02-optimizations", LADDER, md_cell("+compile", 13), "warm-up took [13.6] s", within=0.5),
+    Figure("02-optimizations", LADDER, md_cell("+fused", 13), "s against [4.4]", within=0.5),
     # page 3: the same validation losses on 1, 2 and 4 ranks (epochs 1-3 of 20 steps)
     *(Figure("03-data-parallel", dp_run(ranks), VAL, shown, pick=i) for ranks in (1, 2, 4)
       for i, shown in enumerate(["every printed digit, [0.408277]", "0.408277, [0.155965]",
