@@ -95,6 +95,13 @@ HSDP = ("torchrun --standalone --nproc_per_node 4 train.py --config tiny_short -
         "--dp_shard 2 --run_num hsdp")
 COMPARE = ("python scripts/compare_runs.py logs/tiny/2GPU/00 logs/tiny/2GPU/bf16 logs/tiny/2GPU/powersgd "
            "--out logs/plots/compression.png")
+COMM = "torchrun --standalone --nproc_per_node 2 scripts/comm_overlap.py --config tiny --out logs/comm"
+ONEBIT_RUNS = ["torchrun --standalone --nproc_per_node 2 train.py --config tiny --optimizer OneBitAdam "
+               "--onebit_warmup_steps 32 --run_num onebit32",
+               "torchrun --standalone --nproc_per_node 2 train.py --config tiny --optimizer OneBitAdam "
+               "--run_num onebit100"]
+ONEBIT = ("python scripts/compare_runs.py logs/tiny/2GPU/00 logs/tiny/2GPU/onebit32 logs/tiny/2GPU/onebit100 "
+          "--out logs/plots/onebit.png")
 PIPE = ("torchrun --standalone --nproc_per_node 2 train_mp.py --config tiny --pipeline_parallel 2 "
         "--pipeline_schedule 1f1b --num_microbatches 4")
 DS_COMPARE = "python scripts/deepspeed_compare.py --config tiny --ranks 2 --out logs/deepspeed"
@@ -215,6 +222,22 @@ FIGURES = [
     *(Figure("03-data-parallel", dp_run(ranks), VAL, shown, pick=i) for ranks in (1, 2, 4)
       for i, shown in enumerate(["every printed digit, [0.408277]", "0.408277, [0.155965]",
                                  "0.155965, [0.126401]"])),
+    # page 4: one step of each variant of the gradient's all-reduce (this machine's times)
+    *(fig for row, printed in [
+        ("| by hand after backward, per parameter | 162.4 | 55 |",
+         [md_cell("all-reduce after backward, per parameter (by hand)", 0), None]),
+        ("| by hand after backward, one flat buffer | 96.4 | 1 |",
+         [md_cell("all-reduce after backward, one flat buffer", c) for c in (0, 2)]),
+        ("| DDP, buckets of 25 MB / 1 MB / 0.25 MB | 94.6 / 101.3 / 108.6 | 1 / 4 / 13 |",
+         [md_cell(f"DDP, buckets of {mb} MB", c) for c in (0, 2) for mb in ("25", "1", "0.25")]),
+        ("| FSDP, prefetching the next block / two blocks | 138.3 / 139.4 |",
+         [md_cell("FSDP, default prefetching (next block)", 0),
+          md_cell("FSDP, explicit prefetching of two blocks", 0)])]
+      for fig in row_figures("04-communication", COMM, row, printed, within=0.3)),
+    *(Figure("04-communication", ONEBIT, rf"(?m)^\| {re.escape(run)} \|.*\| ([\d.]+) \|$", shown, within=0.3)
+      for run, shown in [("2GPU/00", "| Adam (`2GPU/00`) | 3.57 | 0.0137 | [159] |"),
+                         ("onebit32", "| `onebit32` | 0.17 | 0.0336 | [135] |"),
+                         ("onebit100", "| `onebit100` | 0.17 | 0.0185 | [134] |")]),
     # page 4: bytes per step of the compressed runs (compare_runs' table), their final losses
     Figure("04-communication", COMPARE, mb_per_step("2GPU/00"), "| none (part 3's `2GPU/00`) | [3.57] |",
            walk=True),
@@ -278,7 +301,8 @@ NEEDS = {COMPARE: ["torchrun --standalone --nproc_per_node=2 train.py --config=t
                    "torchrun --standalone --nproc_per_node 2 train.py --config tiny --grad_compression bf16 "
                    "--run_num bf16",
                    "torchrun --standalone --nproc_per_node 2 train.py --config tiny "
-                   "--grad_compression powersgd --run_num powersgd"]}
+                   "--grad_compression powersgd --run_num powersgd"],
+         ONEBIT: ["torchrun --standalone --nproc_per_node=2 train.py --config=tiny", *ONEBIT_RUNS]}
 
 
 def machine() -> str:
