@@ -102,6 +102,22 @@ ONEBIT_RUNS = ["torchrun --standalone --nproc_per_node 2 train.py --config tiny 
                "--run_num onebit100"]
 ONEBIT = ("python scripts/compare_runs.py logs/tiny/2GPU/00 logs/tiny/2GPU/onebit32 logs/tiny/2GPU/onebit100 "
           "--out logs/plots/onebit.png")
+RANGE = "python scripts/lr_range_test.py --config tiny"
+STUDY = "python scripts/batch_scaling.py --config tiny"
+STUDY_ROWS = ["| Adam, constant | 0.0137 | 0.0270 | 0.0675 | 0.191 | 0.379 | 0.566 |",
+              "| Adam, linear | 0.0137 | 0.0203 | 0.0389 | 0.0818 | 0.515 | 0.768 |",
+              "| Adam, sqrt | 0.0137 | 0.0222 | 0.0410 | **0.0671** | **0.116** | **0.181** |",
+              "| LAMB, constant | 0.0105 | 0.0338 | 0.276 | 0.550 | 0.730 | 0.844 |",
+              "| LAMB, linear | **0.0105** | **0.0145** | **0.0281** | 0.0740 | 0.126 | 0.298 |",
+              "| LAMB, sqrt | 0.0105 | 0.0191 | 0.0511 | 0.153 | 0.292 | 0.433 |"]
+
+
+def study_cell(row: str, column: int) -> str:
+    """batch_scaling.py's table of final validation losses: optimizer and rule, then one per batch."""
+    name, rule = row.strip("| ").split(" | ")[0].split(", ")
+    return rf"(?m)^{name}\s+{rule}\s+" + r"\S+\s+" * column + r"([\d.]+)"
+
+
 PIPE = ("torchrun --standalone --nproc_per_node 2 train_mp.py --config tiny --pipeline_parallel 2 "
         "--pipeline_schedule 1f1b --num_microbatches 4")
 DS_COMPARE = "python scripts/deepspeed_compare.py --config tiny --ranks 2 --out logs/deepspeed"
@@ -275,6 +291,23 @@ FIGURES = [
     memory("06-sharding", HSDP, "hsdp `--dp_shard 2` 1.9 / 1.9 / [3.5]", 2),
     Figure("06-sharding", CLIP_FSDP, TRAIN, "| 1 (1-16) | 0.304 / 0.551 | [0.5618] |", pick=0),
     Figure("06-sharding", CLIP_FSDP, VAL, "| 2 (17-32) | 0.130 / 0.156 | 0.2414 | [0.2493] |", pick=-1),
+    # page 8: the range tests, the runs at their rates, the scaling study
+    *(Figure("08-large-batches", command, printed, shown) for command, printed, shown in [
+        (RANGE, r"diverged at lr ([\d.]+)", "Adam diverged at [0.378]"),
+        (RANGE, r"\(step (\d+)\)", "(step [186] of 200)"),
+        (RANGE, r"lowest at lr ([\d.]+)", "of 200), lowest at [0.0135]"),
+        (RANGE, r"suggested lr: ([\d.]+)", "suggested **[0.00135]**"),
+        (RANGE + " --optimizer LAMB", r"diverged at lr ([\d.]+)", "LAMB diverged at [0.466]"),
+        (RANGE + " --optimizer LAMB", r"lowest at lr ([\d.]+)", "0.466, lowest at [0.189]"),
+        (RANGE + " --optimizer LAMB", r"suggested lr: ([\d.]+)", "suggested **[0.0189]**")]),
+    *(Figure("08-large-batches", f"python train.py --config tiny {flags}", VAL, shown, pick=-1)
+      for flags, shown in [
+          ("--lr 0.00135 --run_num range_lr", "| `range_lr` (Adam, 0.00135) | [0.0126] |"),
+          ("--lr_schedule onecycle --warmup 0 --lr 0.0135 --run_num onecycle",
+           "| `onecycle` (Adam, 0.0135) | [0.0075] |"),
+          ("--optimizer LAMB --lr 0.0189 --run_num lamb", "| `lamb` (LAMB, 0.0189) | [0.0082] |")]),
+    *(fig for row in STUDY_ROWS
+      for fig in row_figures("08-large-batches", STUDY, row, [study_cell(row, c) for c in range(6)])),
     # page 9: the mixture of experts' parameters; page 10: what DeepSpeed's stage 2 holds per rank
     Figure("09-experts", "python train.py --config tiny --num_experts 4 --run_num moe", PARAMS,
            "Twice the parameters ([1.68]M, not 0.89M)", scale=1e-6, walk=True),
