@@ -584,6 +584,9 @@ def test_a_figure_the_command_no_longer_prints_fails():
     assert "printed nothing" in figure_check(fig, "other output")
     millions = Figure("01", "c", r"(\d+) parameters", "([0.89]M", scale=1e-6)
     assert figure_check(millions, "892096 parameters") is None
+    study = Figure("08", "c", r"loss ([\d.]+)", "| 16 | [0.515] |")  # 0.5145 may be 0.51452
+    assert figure_check(study, "loss 0.5145") is None and "says 0.515" in figure_check(study, "loss 0.5144")
+    assert "says 0.408277" in figure_check(Figure("03", "c", r"loss ([\d.]+)", "[0.408277]"), "loss 0.408278")
     rate = Figure("02", "c", r"([\d.]+) samples/s", "about [140] samples/s", within=0.3)
     assert figure_check(rate, "170.2 samples/s") is None
     assert "more than 30% off" in figure_check(rate, "190.0 samples/s")
