@@ -132,6 +132,10 @@ def study_cell(row: str, column: int) -> str:
     return rf"(?m)^{name}\s+{rule}\s+" + r"\S+\s+" * column + r"([\d.]+)"
 
 
+FREEZE = ("python train.py --config tiny --freeze_schedule formula --freeze_every 80 --freeze_cache_mib 64 "
+          "--run_num freeze")
+SHRINK = ("torchrun --standalone --nproc_per_node 2 train_mp.py --config tiny --pipeline_parallel 2 "
+          "--freeze_schedule steps --freeze_steps 40 80 160 --freeze_cache_mib 64 --run_num freeze")
 PIPE = ("torchrun --standalone --nproc_per_node 2 train_mp.py --config tiny --pipeline_parallel 2 "
         "--pipeline_schedule 1f1b --num_microbatches 4")
 DS_COMPARE = "python scripts/deepspeed_compare.py --config tiny --ranks 2 --out logs/deepspeed"
@@ -200,12 +204,15 @@ def tp_run(flags: str) -> str:
             f"--limit_nsamples 320 --run_num {name}")
 
 
-def memory(page: str, command: str, shown: str, kind: int) -> Figure:
+def mib(kind: int) -> str:
     """One of the trainer's memory line's numbers: 0 parameters, 1 gradients, 2 optimizer."""
     parts = MIB.split("([\\d.]+)")
-    pattern = "".join(p + ("([\\d.]+)" if i == kind else "[\\d.]+")
-                      for i, p in enumerate(parts[:-1])) + parts[-1]
-    return Figure(page, command, pattern, shown, walk=True)
+    numbers = ["([\\d.]+)" if i == kind else "[\\d.]+" for i in range(len(parts) - 1)]
+    return "".join(p + n for p, n in zip(parts, numbers)) + parts[-1]
+
+
+def memory(page: str, command: str, shown: str, kind: int) -> Figure:
+    return Figure(page, command, mib(kind), shown, walk=True)
 
 
 FIGURES = [
@@ -336,6 +343,23 @@ FIGURES = [
         (r"all_reduce over tp\s+([\d.]+)", "| dry run | 170.2 | 170.2 | 340.4 | 16200.4 | [9112.5] |"),
         (r"all_reduce over tp\s+[\d.]+\s+([\d.]+)",
          "| cost model | 170.2 | 170.2 | 340.4 | 14618.3 | [9112.5] |")]),
+    # page 12: the formula with the cache (its epochs' log lines), the pipeline that shrinks
+    *(Figure("12-freezing", FREEZE, printed, shown, pick=pick) for printed, shown, pick in [
+        (r"step (\d+): 2 of 4 blocks frozen", "2 blocks frozen from step [80]", 0),
+        (r"step (\d+): 3 of 4 blocks frozen", "3 from [160]", 0),
+        (VAL, "validation loss [0.0177] against", -1),
+        (r"served (\d+)% of the samples whole", "The cache held [22]% of the samples in epoch 3", 2),
+        (r"extended (\d+)%", "extended [44]% and 56%", 3),
+        (r"extended (\d+)%", "extended 44% and [56]%", 4),
+        (r"served (\d+)% of the samples whole", "then served [99]-100%", 5),
+        (r"served (\d+)% of the samples whole", "then served 99-[100]%", 6),
+        (r"\(([\d.]+) MiB kept\)", "whole ([45.6] MiB", -1),
+        (mib(1), "Gradients fell from [3.4] to", 0), (mib(1), "3.4 to [0.9] MiB", -1),
+        (mib(2), "Adam's state from [6.8]", 0), (mib(2), "6.8 to [1.8]", -1)]),
+    *(Figure("12-freezing", SHRINK, rf"step (\d+): the run continues with pipeline_parallel {pp}", shown,
+             pick=pick)
+      for pp, shown, pick in [(2, "at steps [40] and 80", 0), (2, "at steps 40 and [80]", 1),
+                              (1, "pp 1 x dp 2 from step [160]", 0)]),
     # page 7: the pipeline's split, logged as the run starts
     Figure("07-pipeline-parallel", PIPE, r"1f1b schedule, (\d+) micro-batches",
            "1f1b schedule, [4] micro-batches",
