@@ -136,6 +136,7 @@ FREEZE = ("python train.py --config tiny --freeze_schedule formula --freeze_ever
           "--run_num freeze")
 SHRINK = ("torchrun --standalone --nproc_per_node 2 train_mp.py --config tiny --pipeline_parallel 2 "
           "--freeze_schedule steps --freeze_steps 40 80 160 --freeze_cache_mib 64 --run_num freeze")
+FREEZE_REPORT = "python scripts/freeze_report.py --init logs/tiny/1GPU/00/checkpoint.pt --out logs/freezing"
 PIPE = ("torchrun --standalone --nproc_per_node 2 train_mp.py --config tiny --pipeline_parallel 2 "
         "--pipeline_schedule 1f1b --num_microbatches 4")
 DS_COMPARE = "python scripts/deepspeed_compare.py --config tiny --ranks 2 --out logs/deepspeed"
@@ -360,6 +361,17 @@ FIGURES = [
              pick=pick)
       for pp, shown, pick in [(2, "at steps [40] and 80", 0), (2, "at steps 40 and [80]", 1),
                               (1, "pp 1 x dp 2 from step [160]", 0)]),
+    # page 12: the report (step times of this machine; the fine-tuning's losses)
+    *(fig for row in ["| 0 | 352 (352) | 352 (352) |", "| 2 | 279 (293) | 311 (262) |", "| 4 | 229 (237) | 199 (177) |",
+                      "| 6 | 190 (180) | 93 (92) |", "| 8 | 114 (123) | 10 (8) |"]
+      for fig in row_figures("12-freezing", FREEZE_REPORT, row, [md_cell(row[2], c) for c in range(4)],
+                             within=0.35)),
+    *(fig for row, name in [("| every layer trains | 46.1 | 0.0164 |", "every layer trains"),
+                            ("| the earliest frozen, cached (0, 1, 2, 3) | 22.9 | 0.0198 |",
+                             "earliest blocks frozen (cached)"),
+                            ("| the control, random (1, 3, 2, 0) | 34.0 | 0.0197 |", "random blocks frozen")]
+      for fig in [*row_figures("12-freezing", FREEZE_REPORT, row, [md_cell(name, 2), None], within=0.3),
+                  *row_figures("12-freezing", FREEZE_REPORT, row, [None, md_cell(name, 3)])]),
     # page 7: the pipeline's split, logged as the run starts
     Figure("07-pipeline-parallel", PIPE, r"1f1b schedule, (\d+) micro-batches",
            "1f1b schedule, [4] micro-batches",
