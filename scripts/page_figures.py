@@ -362,8 +362,9 @@ FIGURES = [
       for pp, shown, pick in [(2, "at steps [40] and 80", 0), (2, "at steps 40 and [80]", 1),
                               (1, "pp 1 x dp 2 from step [160]", 0)]),
     # page 12: the report (step times of this machine; the fine-tuning's losses)
-    *(fig for row in ["| 0 | 352 (352) | 352 (352) |", "| 2 | 279 (293) | 311 (262) |", "| 4 | 229 (237) | 199 (177) |",
-                      "| 6 | 190 (180) | 93 (92) |", "| 8 | 114 (123) | 10 (8) |"]
+    *(fig for row in ["| 0 | 352 (352) | 352 (352) |", "| 2 | 279 (293) | 311 (262) |",
+                      "| 4 | 229 (237) | 199 (177) |", "| 6 | 190 (180) | 93 (92) |",
+                      "| 8 | 114 (123) | 10 (8) |"]
       for fig in row_figures("12-freezing", FREEZE_REPORT, row, [md_cell(row[2], c) for c in range(4)],
                              within=0.35)),
     *(fig for row, name in [("| every layer trains | 46.1 | 0.0164 |", "every layer trains"),
