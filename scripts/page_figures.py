@@ -50,7 +50,7 @@ class Figure:
 
     @property
     def text(self) -> str:
-        return self.shown.replace("[", "").replace("]", "")
+        return re.sub(r"\[([\d.]+)]", r"\1", self.shown)
 
     def on_page(self) -> bool:
         """The page holds the figure's text (a line break counts as a space)."""
@@ -59,7 +59,7 @@ class Figure:
 
     @property
     def value(self) -> str:
-        return re.search(r"\[([^]]+)]", self.shown).group(1)
+        return re.search(r"\[([\d.]+)]", self.shown).group(1)
 
 
 def rounded(value: float, like: str) -> str:
@@ -137,6 +137,14 @@ FREEZE = ("python train.py --config tiny --freeze_schedule formula --freeze_ever
 SHRINK = ("torchrun --standalone --nproc_per_node 2 train_mp.py --config tiny --pipeline_parallel 2 "
           "--freeze_schedule steps --freeze_steps 40 80 160 --freeze_cache_mib 64 --run_num freeze")
 FREEZE_REPORT = "python scripts/freeze_report.py --init logs/tiny/1GPU/00/checkpoint.pt --out logs/freezing"
+ASYNC = "python scripts/async_report.py --out logs/async"
+
+
+def async_row(mode: str, ms: int, column: int) -> str:
+    """async_report.py's straggler table: the `column`-th number of a mode, slowed or not."""
+    return rf"(?m)^\| {mode} \| {ms} ms \|" + r"[^|\n]*\|" * column + r" ([\d.]+)"
+
+
 PIPE = ("torchrun --standalone --nproc_per_node 2 train_mp.py --config tiny --pipeline_parallel 2 "
         "--pipeline_schedule 1f1b --num_microbatches 4")
 DS_COMPARE = "python scripts/deepspeed_compare.py --config tiny --ranks 2 --out logs/deepspeed"
@@ -169,10 +177,10 @@ def md_cell(row: str, column: int) -> str:
 def row_figures(page: str, command: str, row: str, printed: list[str | None], within: float = 0.0,
                 label_cells: int = 1) -> list[Figure]:
     """A figure for each number of the page's table `row` after its first `label_cells` cells, in
-    order: the k-th is printed where `printed[k]` finds it (None: not checked)."""
+    order: the k-th is printed where `printed[k]` finds it (None, or past the list's end: not here)."""
     start = [i for i, ch in enumerate(row) if ch == "|"][label_cells]
     numbers = list(re.finditer(r"\d+(?:\.\d+)?", row[start:]))
-    assert len(numbers) == len(printed), (row, len(numbers))
+    assert len(printed) <= len(numbers), (row, len(numbers))
     return [Figure(page, command, pattern, row[:start + m.start()] + f"[{m.group()}]", within=within)
             for m, pattern in zip(numbers, printed) if pattern is not None]
 
@@ -373,6 +381,38 @@ FIGURES = [
                             ("| the control, random (1, 3, 2, 0) | 34.0 | 0.0197 |", "random blocks frozen")]
       for fig in [*row_figures("12-freezing", FREEZE_REPORT, row, [md_cell(name, 2), None], within=0.3),
                   *row_figures("12-freezing", FREEZE_REPORT, row, [None, md_cell(name, 3)])]),
+    # page 13: the schedules (bubble, rate), stale weights and gradients, the straggler
+    *(fig for row, schedule, m in [("| 1F1B, flushed | 4 | 0.26 | 128.4 |", "1f1b", 4),
+                                   ("| async, stash | 4 | 0.10 | 130.7 |", "async_1f1b", 4),
+                                   ("| [GPipe](terms.md#gpipe), flushed | 1 | 0.52 | 93.2 |", "gpipe", 1),
+                                   ("| async, stash | 1 | 0.13 | 133.7 |", "async_1f1b", 1)]
+      for fig in [*row_figures("13-asynchronous", ASYNC, row, [
+          None, rf"(?m)^\| {schedule} \| 2 \| {m} \| [\d.]+ \| ([\d.]+) \|$", None], within=0.5),
+          *row_figures("13-asynchronous", ASYNC, row, [
+              None, None, rf"(?m)^\| {schedule} \| 2 \| {m} \| ([\d.]+) \|$"], within=0.3)]),
+    *(Figure("13-asynchronous", ASYNC, rf"\| {label} \| \d+ \|" + r" [\d.]+ \|" * k + r" ([\d.]+) \|",
+             shown) for label, k, shown in [
+        ("1F1B, flushed", 0, "1F1B flushed [0.1235] /"), ("1F1B, flushed", 1, "0.1235 / [0.0514]"),
+        ("asynchronous, 2bw", 0, "(staleness 1) [0.169] /"), ("asynchronous, 2bw", 1, "0.169 / [0.192]"),
+        ("asynchronous, stash", 0, "by stage) [0.204] /"), ("asynchronous, stash", 1, "0.204 / [0.222]"),
+        ("asynchronous, none", 0, "no stashing [0.220] /"), ("asynchronous, none", 1, "0.220 / [0.288]"),
+        ("asynchronous, vertical", 0, "everywhere) [0.252] /"),
+        ("asynchronous, vertical", 1, "0.252 / [0.605]")]),
+    *(Figure("13-asynchronous", ASYNC, rf"(?m)^\| {s} \| [\d.]+ \| ([\d.]+) \|$", shown) for s, shown in [
+        (0, "validation loss [0.1235], 0.1704"), (1, "0.1235, [0.1704] and"), (3, "and [0.2579] at")]),
+    *(fig for row, mode, ms in [("| DDP, 0 ms | 154.1 | 9.63 | 0.1235 | - |", "ddp", 0),
+                                ("| DDP, 1000 ms | 14.4 | 0.90 | 0.1235 | - |", "ddp", 1000),
+                                ("| server, 0 ms | 145.2 | 9.07 | 0.1664 | 0.98; 1.00 |", "server", 0),
+                                ("| server, 1000 ms | 86.2 | 10.05 | 0.1361 | 0.82; 11.25 |", "server", 1000),
+                                ("| Hogwild, 0 ms | 166.3 | 10.74 | 0.1608 | - |", "hogwild", 0),
+                                ("| Hogwild, 1000 ms | 85.5 | 9.79 | 0.1315 | - |", "hogwild", 1000)]
+      for fig in [*row_figures("13-asynchronous", ASYNC, row, [async_row(mode, ms, c) for c in (0, 1)],
+                               within=0.35),
+                  *row_figures("13-asynchronous", ASYNC, row, [None, None, async_row(mode, ms, 2)],
+                               within=0.15 if mode != "ddp" else 0.0),
+                  *row_figures("13-asynchronous", ASYNC, row, [None] * 3 + [
+                      async_row(mode, ms, 4), rf"(?m)^\| {mode} \| {ms} ms \|.*\| [\d.]+, ([\d.]+) \|$"
+                  ] if mode == "server" else [], within=0.5)]),
     # page 7: the pipeline's split, logged as the run starts
     Figure("07-pipeline-parallel", PIPE, r"1f1b schedule, (\d+) micro-batches",
            "1f1b schedule, [4] micro-batches",
