@@ -157,6 +157,11 @@ def dp_run(ranks: int) -> str:
             f"--num_iters 60 --run_num {ranks}ranks")
 
 
+def dp_rate(ranks: int, flags: str, name: str) -> str:
+    """Page 3's throughput runs: dp_run's, with `flags`, in a run folder of their own."""
+    return dp_run(ranks).replace(f"--run_num {ranks}ranks", f"{flags}--run_num {name}")
+
+
 def mb_per_step(run: str) -> str:
     """compare_runs.py's "gradient MB per step" (the column before samples/s) in the run's row."""
     return rf"(?m)^\| {re.escape(run)} \|.*\| ([\d.]+) \| [\d.]+ \|$"
@@ -268,6 +273,16 @@ FIGURES = [
     *(Figure("03-data-parallel", dp_run(ranks), VAL, shown, pick=i) for ranks in (1, 2, 4)
       for i, shown in enumerate(["every printed digit, [0.408277]", "0.408277, [0.155965]",
                                  "0.155965, [0.126401]"])),
+    # page 3: epoch 3's samples/s of each run (this machine's rates)
+    *(Figure("03-data-parallel", command, r"epoch 3 is [\d.]+ sec, avg ([\d.]+) samples/sec", shown,
+             within=0.3) for command, shown in [
+          ("OMP_NUM_THREADS=1 " + dp_rate(1, "", "rate1"), "| 1 rank (`OMP_NUM_THREADS=1`) | [90.0] |"),
+          (dp_rate(2, "", "rate2"), "| 2 ranks | [153.9] |"),
+          (dp_rate(4, "", "rate4"), "| 4 ranks (on 2 cores) | [136.3] |"),
+          (dp_rate(2, "--noddp ", "noddp2"), "| 2 ranks, `--noddp` | [159.8] |"),
+          (dp_rate(4, "--noddp ", "noddp4"), "| 4 ranks, `--noddp` | [192.2] |"),
+          (dp_rate(2, "--bucket_cap_mb 0.25 ", "bucket2"),
+           "| 2 ranks, `--bucket_cap_mb 0.25` (13 buckets, not 1) | [145.0] |")]),
     # page 4: one step of each variant of the gradient's all-reduce (this machine's times)
     *(fig for row, printed in [
         ("| by hand after backward, per parameter | 162.4 | 55 |",
