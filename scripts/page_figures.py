@@ -145,6 +145,14 @@ def async_row(mode: str, ms: int, column: int) -> str:
     return rf"(?m)^\| {mode} \| {ms} ms \|" + r"[^|\n]*\|" * column + r" ([\d.]+)"
 
 
+CALIBRATE = "python scripts/cost_model.py --calibrate --out logs/cost_model"
+CHECK = "python scripts/cost_model.py --check --out logs/cost_model"
+PLAN = "python scripts/cost_model.py --config tiny --plan --gpus 4 --gpu_memory_gb 0.02 --out logs/cost_model"
+CHECK_ROWS = [f"| {layout} | {predicted} | {measured} |" for layout, predicted, measured in [
+    ("serial", 203, 187), ("dp2", 110, 110), ("dp4", 126, 115), ("dp2_zero1", 139, 109),
+    ("dp4_zero1", 208, 140), ("dp2_fsdp", 143, 135), ("dp4_fsdp", 263, 227), ("tp2", 166, 160),
+    ("cp2", 266, 225), ("dp2_tp2", 166, 236), ("pp2_gpipe_m4", 144, 122), ("pp2_1f1b_m4", 144, 130),
+    ("pp4_gpipe_m4", 188, 156), ("pp4_1f1b_m4", 188, 145), ("dp2_ckpt_full", 136, 148)]]
 PIPE = ("torchrun --standalone --nproc_per_node 2 train_mp.py --config tiny --pipeline_parallel 2 "
         "--pipeline_schedule 1f1b --num_microbatches 4")
 DS_COMPARE = "python scripts/deepspeed_compare.py --config tiny --ranks 2 --out logs/deepspeed"
@@ -428,6 +436,11 @@ FIGURES = [
                   *row_figures("13-asynchronous", ASYNC, row, [None] * 3 + [
                       async_row(mode, ms, 4), rf"(?m)^\| {mode} \| {ms} ms \|.*\| [\d.]+, ([\d.]+) \|$"
                   ] if mode == "server" else [], within=0.5)]),
+    # page 11: the check's predicted and measured step times, the plan's first layout (this machine's)
+    *(fig for row in CHECK_ROWS for fig in row_figures(
+        "11-cost-model", CHECK, row, [md_cell(row.split(" | ")[0][2:], c) for c in (7, 8)], within=0.3)),
+    Figure("11-cost-model", PLAN, r"dp2_pp2_1f1b_m4\s+([\d.]+) ms", "`dp2_pp2_1f1b_m4`, [137.3] ms",
+           within=0.3),
     # page 7: the pipeline's split, logged as the run starts
     Figure("07-pipeline-parallel", PIPE, r"1f1b schedule, (\d+) micro-batches",
            "1f1b schedule, [4] micro-batches",
@@ -441,6 +454,7 @@ NEEDS = {COMPARE: ["torchrun --standalone --nproc_per_node=2 train.py --config=t
                    "--run_num bf16",
                    "torchrun --standalone --nproc_per_node 2 train.py --config tiny "
                    "--grad_compression powersgd --run_num powersgd"],
+         CHECK: [CALIBRATE], PLAN: [CALIBRATE],
          ONEBIT: ["torchrun --standalone --nproc_per_node=2 train.py --config=tiny", *ONEBIT_RUNS]}
 
 
