@@ -247,6 +247,14 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def build_on_meta(cfg: ModelConfig) -> tuple[ViT, int]:
+    """The serial model on the meta device (shapes only: no memory, no random numbers drawn) and
+    its number of parameters: what every layout builds first, before taking its part of it."""
+    with torch.device("meta"):
+        model = build_vit(cfg)
+    return model, count_parameters(model)
+
+
 def upgrade_state_dict(state: dict[str, torch.Tensor], num_heads: int) -> dict[str, torch.Tensor]:
     """A state dict (or any per-parameter tensors) of the older layout with separate q, k and v
     projections -> the fused head-major ``qkv``; other entries keep their order."""

@@ -110,17 +110,14 @@ def activation_bytes(cfg, local_batch: int, checkpointing: str) -> float:
 
 
 def fits_table(configs: list[str], yaml: str) -> list[str]:
-    from networks.vit import build_vit, count_parameters
+    from networks.vit import build_on_meta
     from utils.config import load_config
 
     lines = ["| config | parameters | ranks | local batch | activation checkpointing | ddp GB | zero1 GB "
              "| fsdp GB |", "|---|---|---|---|---|---|---|---|"]
     for name in configs:
         cfg = load_config(yaml, name)
-        import torch
-
-        with torch.device("meta"):
-            params = count_parameters(build_vit(cfg.model))
+        _, params = build_on_meta(cfg.model)
         for ranks in (4, 64):
             local = max(1, cfg.global_batch_size // ranks)
             for ac in ("none", "full"):

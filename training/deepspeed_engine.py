@@ -41,7 +41,7 @@ from torch import nn
 
 from distributed import consolidate
 from distributed.parallelize import apply_activation_checkpointing, materialize, serial_values
-from networks.vit import build_vit, count_parameters
+from networks.vit import build_on_meta
 from training.context import RunContext
 from training.state import ModelState
 from training.trainer import EagerStep, Trainer
@@ -246,9 +246,7 @@ class DeepSpeedStep(EagerStep):
     def build_model(self) -> nn.Module:
         """The serial model with the seed's weights, whole on every rank: DeepSpeed partitions it."""
         t = self.trainer
-        with torch.device("meta"):
-            serial = build_vit(t.cfg.model)
-        t.n_params = count_parameters(serial)
+        serial, t.n_params = build_on_meta(t.cfg.model)
         values = serial_values(serial, t.cfg.seed)
         model = apply_activation_checkpointing(serial, t.cfg.activation_checkpointing)
         if t.cfg.enable_jit:

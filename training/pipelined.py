@@ -21,7 +21,7 @@ import torch
 
 from distributed import consolidate, pipeline
 from distributed.parallelize import parallelize, serial_values
-from networks.vit import build_vit, count_parameters
+from networks.vit import build_on_meta
 from training.state import ModelState
 from training.trainer import EagerStep
 from utils import device as dev
@@ -81,9 +81,8 @@ class PipelineStep(EagerStep):
     state_class = PipelineState
     def build_model(self) -> pipeline.Pipeline:
         t = self.trainer
-        with torch.device("meta"):  # as EagerStep.build_parallel_model: each stage allocates only itself
-            serial = build_vit(t.cfg.model)
-        t.n_params = count_parameters(serial)
+        # as EagerStep.build_parallel_model: each stage allocates only itself
+        serial, t.n_params = build_on_meta(t.cfg.model)
         self.serial_names = [name for name, _ in serial.named_parameters()]
         values = serial_values(serial, t.cfg.seed)
         cfg, mesh = t.cfg, t.ctx.mesh

@@ -20,7 +20,7 @@ import torch
 
 from distributed.env import all_reduce_sum
 from distributed.pipeline import Pipeline, balanced_split
-from networks.vit import build_vit
+from networks.vit import build_on_meta
 from training.context import RunContext
 from training.freezing import Freezing, saved_freezing
 from training.pipelined import PipelineState, PipelineStep
@@ -32,8 +32,7 @@ FROZEN_COST = 1 / 6  # AutoPipe: a frozen layer costs a sixth of an active one
 def unit_parameters(cfg: Config) -> tuple[int, int, int]:
     """Parameters of the embedding (patch and position), of one block, of the head (with the
     final norm), counted on a model with shapes only."""
-    with torch.device("meta"):
-        vit = build_vit(cfg.model)
+    vit, _ = build_on_meta(cfg.model)
     count = lambda module: sum(p.numel() for p in module.parameters())
     return (count(vit.patch_embed) + vit.pos_embed.numel(), count(vit.blocks["0"]),
             count(vit.norm) + count(vit.head))

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed.env import all_reduce_max, all_reduce_sum, heartbeat
 from distributed.stop import StopAgreement
-from networks.vit import build_vit, count_parameters
+from networks.vit import build_on_meta, count_parameters
 from training import checkpointing, reporting, validation
 from training.context import Callback, RunContext, TrainingError, check_micro_batches
 from training.schedule import make_lr_lambda
@@ -102,9 +102,7 @@ class EagerStep:
         t = self.trainer
         if needs_parallelize(t.cfg, t.ctx):
             return self.build_parallel_model()
-        with torch.device("meta"):  # shapes only: no memory, no random numbers drawn
-            model = build_vit(t.cfg.model)
-        t.n_params = count_parameters(model)
+        model, t.n_params = build_on_meta(t.cfg.model)
         model = model.to_empty(device=t.device)  # memory on the device, not yet initialised
         model.reset_parameters(torch.Generator().manual_seed(t.cfg.seed))
         return model
@@ -115,9 +113,7 @@ class EagerStep:
         from distributed.parallelize import parallelize, serial_values
 
         t = self.trainer
-        with torch.device("meta"):
-            serial = build_vit(t.cfg.model)
-        t.n_params = count_parameters(serial)
+        serial, t.n_params = build_on_meta(t.cfg.model)
         model = parallelize(serial, t.ctx.mesh, t.device, t.cfg.layout, t.cfg.memory, t.cfg.optim, t.cfg.seed,
                             serial_values(serial, t.cfg.seed))
         if t.ctx.mesh.model_parallel:
