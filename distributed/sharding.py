@@ -85,7 +85,7 @@ def hsdp_mesh(mesh: ParallelMesh, layout: ParallelConfig) -> Any:
 
 def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], options: dict[str, Any],
                     layout: ParallelConfig, mesh: ParallelMesh) -> torch.optim.Optimizer:
-    """The optimizer (class and settings from training/trainer.py:optimizer_choice) for this rank's
+    """The optimizer (class and settings from training/schedule.py:optimizer_choice) for this rank's
     part of the model: under zero1 wrapped so that each dp rank keeps the state of its share only;
     LAMB's per-tensor norms summed over the ranks that split a tensor (tp slices, FSDP shards)."""
     if getattr(optimizer_class, "norms_span_ranks", False):  # LAMB (distributed/lamb.py)

@@ -103,8 +103,7 @@ class CostMeter(Callback):
             # attention by the math kernel in this step: FlopCounterMode counts its matmuls (it does
             # not know the CPU's fused attention kernel and would count 0); around the whole step
             # too: activation checkpointing recomputes attention in backward
-            kernel, trainer.attention_kernel = trainer.attention_kernel, "math"
-            self.stack.callback(setattr, trainer, "attention_kernel", kernel)
+            self.stack.enter_context(trainer.attention_kernel_as("math"))
             self.flops = self.stack.enter_context(FlopCounterMode(display=False))
             self.stack.enter_context(attention.kernel("math"))
         elif index == self.BYTE_STEP:

@@ -33,7 +33,6 @@ DIVERGED = 4.0  # stop when the smoothed loss is this many times its lowest
 
 
 def range_test(cfg, steps: int, lr_min: float, lr_max: float, out: Path) -> dict:
-    import torch
 
     from training.context import RunContext
     from training.trainer import Trainer
@@ -42,7 +41,7 @@ def range_test(cfg, steps: int, lr_min: float, lr_max: float, out: Path) -> dict
     device = dev.pick_device(0, 1)
     trainer = Trainer(cfg, RunContext(device=device, run_dir=out / "run"), cfg.global_batch_size)
     growth = (lr_max / lr_min) ** (1.0 / max(1, steps - 1))
-    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda i: growth ** i)
+    trainer.set_lr_factor(lambda i: growth ** i)
 
     def batches():  # epoch after epoch, as many as the test needs
         epoch = 0

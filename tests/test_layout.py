@@ -108,6 +108,45 @@ def test_the_trainer_is_composed_not_subclassed():
     assert not found, found
 
 
+TRAINER_NAMES = {"t", "trainer"}  # how the step variants, state classes and scripts name a Trainer
+
+
+def trainer_writes(source: str) -> list[str]:
+    """Assignments to an attribute of a Trainer (``t.x = ``, ``trainer.x += ``, ``self.trainer.x =``)
+    and ``setattr(trainer, ...)`` calls in ``source``: each as 'line N: trainer.x'."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args:
+            targets = [ast.Attribute(value=node.args[0], attr="?")]
+        for target in targets:
+            for sub in ast.walk(target):
+                owner = getattr(sub, "value", None) if isinstance(sub, ast.Attribute) else None
+                if isinstance(owner, ast.Name) and owner.id in TRAINER_NAMES or \
+                        isinstance(owner, ast.Attribute) and owner.attr == "trainer":
+                    found.append(f"line {node.lineno}: {ast.unparse(sub)}")
+    return found
+
+
+def test_only_the_trainer_writes_its_attributes():
+    """A step variant, a state class or a script asks the Trainer (its methods: replace_model,
+    restore_progress, set_lr_factor, attention_kernel_as) or hands back a value (the variant's
+    n_params and engine): no module but training/trainer.py assigns a Trainer attribute, so the
+    order of building is read in one file."""
+    found = [f"{path.relative_to(REPO)} {w}" for path in tracked_python_files()
+             if path.parts[len(REPO.parts)] != "tests" and path != REPO / "training" / "trainer.py"
+             for w in trainer_writes(path.read_text())]
+    assert not found, found
+
+
+def test_a_trainer_write_is_found():
+    source = ("t.model = m\ntrainer.step += 1\nself.trainer.scheduler = s\nsetattr(trainer, 'x', 1)\n"
+              "t.loss.fill_(0)\n")
+    assert trainer_writes(source) == ["line 1: t.model", "line 2: trainer.step",
+                                      "line 3: self.trainer.scheduler", "line 4: trainer.?"]
+
+
 def test_tracked_files_leave_out_virtual_environments():
     files = {p.relative_to(REPO).as_posix() for p in tracked_python_files()}
     assert "train.py" in files and "training/trainer.py" in files

@@ -57,8 +57,7 @@ from networks.vit import ViT, build_vit
 from training import async_checkpoint as saves
 from training.async_args import check, parser, run_dir_of
 from training.launcher import exit_now, resolve_config, setup_logging
-from training.schedule import make_lr_lambda
-from training.trainer import optimizer_choice
+from training.schedule import make_lr_lambda, optimizer_choice
 from utils import attention
 from utils import device as dev
 from utils.config import Config

@@ -90,3 +90,10 @@ class Callback:
     def fit_end(self, trainer: Any) -> None:
         """Training is over (checkpoint written); ``trainer.stopped_early`` says whether a stop
         signal ended it."""
+
+
+def needs_parallelize(cfg: Config, ctx: RunContext) -> bool:
+    """Whether the serial model must go through distributed/parallelize.py: more than one rank,
+    or a transformation it applies (compile, activation checkpointing, expert parallelism)."""
+    return (ctx.mesh.world_size > 1 or cfg.enable_jit or cfg.activation_checkpointing != "none"
+            or cfg.expert_parallel > 1)

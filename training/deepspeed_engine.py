@@ -229,8 +229,6 @@ class DeepSpeedStep(EagerStep):
         cfg, ctx = trainer.cfg, trainer.ctx
         self.deepspeed = import_deepspeed()
         self.ds_config = ds_config(cfg, trainer.local_batch, ctx.dp_size, ctx.device)
-        # bf16 is the engine's: the weights are bf16, autocast would only add casts
-        trainer.amp_mode = "none"
         self.input_dtype = torch.bfloat16 if cfg.amp_mode == "bf16" else None
         log.info("DeepSpeed %s engine, ZeRO stage %d%s; its config: %s", self.deepspeed.__version__,
                  cfg.zero_stage, " with CPU offload" if cfg.cpu_offload else "", ctx.run_dir / CONFIG_NAME)
@@ -246,7 +244,7 @@ class DeepSpeedStep(EagerStep):
     def build_model(self) -> nn.Module:
         """The serial model with the seed's weights, whole on every rank: DeepSpeed partitions it."""
         t = self.trainer
-        serial, t.n_params = build_on_meta(t.cfg.model)
+        serial, self.n_params = build_on_meta(t.cfg.model)
         values = serial_values(serial, t.cfg.seed)
         model = apply_activation_checkpointing(serial, t.cfg.activation_checkpointing)
         if t.cfg.enable_jit:
@@ -268,7 +266,7 @@ class DeepSpeedStep(EagerStep):
         self.client_groups = client.state_dict()["param_groups"]
         engine, optimizer, _, _ = self.deepspeed.initialize(model=t.model, optimizer=client,
                                                             config=self.ds_config, dist_init_required=False)
-        t.model = engine
+        self.engine = engine  # the Trainer's model from here on
         self.ds_optimizer = optimizer  # ZeRO's (or bf16's) wrapper, or torch's Adam itself
         return getattr(optimizer, "optimizer", optimizer)
 

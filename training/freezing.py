@@ -23,7 +23,6 @@ carries what was frozen ("freezing"), so a run resumes exactly in the middle of 
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import statistics
@@ -437,7 +436,6 @@ class FreezingStep(Freezing, EagerStep):
             return
         from distributed.tags import wrap_data_parallel
 
-        t.model = None
-        gc.collect()  # the old reducer (and its autograd hooks) is freed before the new one exists
-        t.model = wrap_data_parallel(t.raw_model, t.ctx.mesh, t.device, t.cfg.layout, t.cfg.seed)
+        mesh, layout = t.ctx.mesh, t.cfg.layout
+        t.replace_model(lambda: wrap_data_parallel(t.raw_model, mesh, t.device, layout, t.cfg.seed))
 

@@ -25,8 +25,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from training.context import RunContext
+from training.schedule import optimizer_choice
 from training.state import ModelState
-from training.trainer import EagerStep, Trainer, optimizer_choice
+from training.trainer import EagerStep, Trainer
 from utils import compat
 from utils import device as dev
 from utils.config import Config

@@ -82,7 +82,7 @@ class PipelineStep(EagerStep):
     def build_model(self) -> pipeline.Pipeline:
         t = self.trainer
         # as EagerStep.build_parallel_model: each stage allocates only itself
-        serial, t.n_params = build_on_meta(t.cfg.model)
+        serial, self.n_params = build_on_meta(t.cfg.model)
         self.serial_names = [name for name, _ in serial.named_parameters()]
         values = serial_values(serial, t.cfg.seed)
         cfg, mesh = t.cfg, t.ctx.mesh
@@ -94,7 +94,7 @@ class PipelineStep(EagerStep):
                                **self.stage_layout())
         log.info("%s; this rank holds stages %s: %d of the model's %d parameters",
                  t.ctx.mesh.describe(), model.stage_ids, sum(p.numel() for p in model.parameters()),
-                 t.n_params)
+                 self.n_params)
         return model
 
     def stage_layout(self) -> dict[str, Any]:

@@ -1,11 +1,16 @@
-"""The learning-rate schedules: each step's rate as a multiple of ``lr``, a pure function of the
-step (so a resumed run continues its schedule exactly). The Trainer hands it to torch's LambdaLR."""
+"""The optimizer a configuration names (`optimizer_choice`) and the learning-rate schedules: each
+step's rate as a multiple of ``lr``, a pure function of the step (so a resumed run continues its
+schedule exactly). The Trainer hands it to torch's LambdaLR."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
+import torch
+
+from utils.config import Config
 from utils.config_groups import OptimizerConfig
 
 
@@ -44,3 +49,23 @@ def onecycle_factor(total: int, pct_start: float, div: float, final_div: float) 
         return ramp(1.0, last, (step - rise) / max(1, total - rise))
 
     return factor
+
+
+def optimizer_choice(cfg: Config,
+                     kernel: dict[str, bool]) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The optimizer class ``optimizer_type`` names and its settings. ``kernel``: Adam's, AdamW's
+    and SGD's implementation (fused or foreach, utils/device.py:adam_kernel)."""
+    name, adam = cfg.optimizer_type, {"lr": cfg.lr, "betas": cfg.adam_betas}
+    if name == "LAMB":  # the project's own (distributed/lamb.py): its norms may span the ranks' parts
+        from distributed.lamb import Lamb
+
+        return Lamb, {**adam, "weight_decay": cfg.weight_decay}
+    if name == "OneBitAdam":  # the project's own (distributed/onebit_adam.py), over the dp ranks
+        from distributed.onebit_adam import OneBitAdam
+
+        return OneBitAdam, {**adam, "warmup_steps": cfg.onebit_warmup_steps, **kernel}
+    if name == "SGD":
+        return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
+                                 **kernel}
+    weight_decay = {"weight_decay": cfg.weight_decay} if name == "AdamW" else {}
+    return (torch.optim.AdamW if name == "AdamW" else torch.optim.Adam), {**adam, **weight_decay, **kernel}

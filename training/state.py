@@ -54,15 +54,14 @@ class LoopState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         t = self.trainer
-        t.step = state["step"]
-        t.attention_kernel = kept_attention_kernel(t.cfg.attention_kernel, t.attention_kernel,
-                                                   state.get("attention_kernel"), t.device)
+        t.restore_progress(state["step"], kept_attention_kernel(t.cfg.attention_kernel, t.attention_kernel,
+                                                                state.get("attention_kernel"), t.device),
+                           state["epoch_steps"])
         # the epoch's loss sum so far goes to one rank, so the epoch-end reduction counts it once;
         # rescaled from the data-parallel ranks that summed it to those that will average it
         ranks = state.get("epoch_loss_ranks", t.ctx.dp_size)
         loss_sum = state["epoch_loss_sum"] * t.ctx.dp_size / ranks
         t.epoch_loss.fill_(loss_sum if t.ctx.dp_rank == 0 else 0.0)
-        t.epoch_steps = state["epoch_steps"]
 
 
 def refuse_unsound(epoch_loss_sum: float, params: Any, device: torch.device, step: int,

@@ -20,10 +20,11 @@ compile) the model hand it to distributed/parallelize.py, which the first lesson
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +36,8 @@ from distributed.env import all_reduce_max, all_reduce_sum, heartbeat
 from distributed.stop import StopAgreement
 from networks.vit import build_on_meta, count_parameters
 from training import checkpointing, reporting, validation
-from training.context import Callback, RunContext, TrainingError, check_micro_batches
-from training.schedule import make_lr_lambda
+from training.context import Callback, RunContext, TrainingError, check_micro_batches, needs_parallelize
+from training.schedule import make_lr_lambda, optimizer_choice
 from training.state import LoopState, ModelState
 from utils import attention
 from utils import checkpoint as ckpt
@@ -51,33 +52,6 @@ if TYPE_CHECKING:  # imported by the rank that writes (open_writer): 0.15 s of e
 log = logging.getLogger(__name__)
 
 
-def optimizer_choice(cfg: Config,
-                     kernel: dict[str, bool]) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """The optimizer class ``optimizer_type`` names and its settings. ``kernel``: Adam's, AdamW's
-    and SGD's implementation (fused or foreach, utils/device.py:adam_kernel)."""
-    name, adam = cfg.optimizer_type, {"lr": cfg.lr, "betas": cfg.adam_betas}
-    if name == "LAMB":  # the project's own (distributed/lamb.py): its norms may span the ranks' parts
-        from distributed.lamb import Lamb
-
-        return Lamb, {**adam, "weight_decay": cfg.weight_decay}
-    if name == "OneBitAdam":  # the project's own (distributed/onebit_adam.py), over the dp ranks
-        from distributed.onebit_adam import OneBitAdam
-
-        return OneBitAdam, {**adam, "warmup_steps": cfg.onebit_warmup_steps, **kernel}
-    if name == "SGD":
-        return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
-                                 **kernel}
-    weight_decay = {"weight_decay": cfg.weight_decay} if name == "AdamW" else {}
-    return (torch.optim.AdamW if name == "AdamW" else torch.optim.Adam), {**adam, **weight_decay, **kernel}
-
-
-def needs_parallelize(cfg: Config, ctx: RunContext) -> bool:
-    """Whether the serial model must go through distributed/parallelize.py: more than one rank,
-    or a transformation it applies (compile, activation checkpointing, expert parallelism)."""
-    return (ctx.mesh.world_size > 1 or cfg.enable_jit or cfg.activation_checkpointing != "none"
-            or cfg.expert_parallel > 1)
-
-
 class EagerStep:
     """One training step, run eagerly: forward, loss, backward, optimizer step. It builds what it
     steps (the model on this rank, the optimizer) and says what of them a checkpoint holds.
@@ -87,6 +61,9 @@ class EagerStep:
     (training/deepspeed_engine.py)."""
 
     autocast_cache = True  # CUDA graph capture needs it off
+    autocast = True  # the forward under autocast in --amp_mode (not DeepSpeed's: its engine casts)
+    n_params = 0  # of the whole (serial) model, counted by build_model
+    engine: nn.Module | None = None  # the model inside an engine that build_optimizer makes (DeepSpeed)
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -102,7 +79,7 @@ class EagerStep:
         t = self.trainer
         if needs_parallelize(t.cfg, t.ctx):
             return self.build_parallel_model()
-        model, t.n_params = build_on_meta(t.cfg.model)
+        model, self.n_params = build_on_meta(t.cfg.model)
         model = model.to_empty(device=t.device)  # memory on the device, not yet initialised
         model.reset_parameters(torch.Generator().manual_seed(t.cfg.seed))
         return model
@@ -113,12 +90,12 @@ class EagerStep:
         from distributed.parallelize import parallelize, serial_values
 
         t = self.trainer
-        serial, t.n_params = build_on_meta(t.cfg.model)
+        serial, self.n_params = build_on_meta(t.cfg.model)
         model = parallelize(serial, t.ctx.mesh, t.device, t.cfg.layout, t.cfg.memory, t.cfg.optim, t.cfg.seed,
                             serial_values(serial, t.cfg.seed))
         if t.ctx.mesh.model_parallel:
             log.info("%s; this rank holds %d of the model's %d parameters", t.ctx.mesh.describe(),
-                     count_parameters(unwrap(model)), t.n_params)
+                     count_parameters(unwrap(model)), self.n_params)
         return model
 
     def build_optimizer(self) -> torch.optim.Optimizer:
@@ -238,15 +215,14 @@ class EagerStep:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP wrapper (or the model itself)."""
+    """The model inside a DDP wrapper (or the model itself): distributed/tags.py's, which a
+    single-device run does not load."""
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 class Trainer:
-    """Builds every component from a validated :class:`Config` and a
-    :class:`~training.context.RunContext` (device, ranks, mesh, run directory) and runs the
-    epochs. ``step``: the step variant's class (default :class:`EagerStep`); ``callbacks``:
-    hooks at named moments (:class:`Callback`)."""
+    """Builds every component from a validated Config and a RunContext (device, ranks, mesh, run
+    folder) and runs the epochs; ``step``: the step variant's class; ``callbacks``: named hooks."""
 
     def __init__(self, cfg: Config, ctx: RunContext, local_batch: int, step: type[EagerStep] = EagerStep,
                  callbacks: Sequence[Callback] = ()) -> None:
@@ -260,13 +236,15 @@ class Trainer:
         self.valid_data = self.build_data("valid", train=False)
         self.fsdp_active = cfg.data_parallel in ("fsdp", "hsdp") and ctx.mesh.dp_size > 1
         # bf16 under FSDP comes from its mixed-precision policy (bf16 copies of the gathered
-        # weights, fp32 master weights and gradient reduction), not from autocast
-        self.amp_mode = "none" if self.fsdp_active and cfg.amp_mode == "bf16" else cfg.amp_mode
+        # weights, fp32 master weights and gradient reduction), not from autocast; DeepSpeed's
+        # from its engine (bf16 weights: autocast would only add casts)
+        self.amp_mode = "none" if self.fsdp_active and cfg.amp_mode == "bf16" or not step.autocast \
+            else cfg.amp_mode
         self.attention_kernel = self.choose_attention_kernel()  # a resumed run keeps its own
         self.loss_fn = torch.compile(relative_l2_loss) if cfg.enable_jit else relative_l2_loss
-        self.n_params = 0  # of the whole (serial) model, set by the step's build_model
         self.variant = step(self)
         self.model = self.variant.build_model()
+        self.n_params = self.variant.n_params  # of the whole (serial) model
         self.raw_model = unwrap(self.model)
         # mixture-of-experts layers (networks/moe.py): their balancing loss joins the training loss
         self.moe_layers = [m for m in self.raw_model.modules() if hasattr(m, "aux_loss")] \
@@ -274,6 +252,7 @@ class Trainer:
         # per step: each layer's shares (layers, experts + 1) and balancing loss (layers,)
         self.moe_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.optimizer = self.variant.build_optimizer()
+        self.model = self.model if self.variant.engine is None else self.variant.engine
         self.weights = self.variant.state_class(self)  # the model and optimizer in a checkpoint
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg.optim))
         self.scaler = dev.make_grad_scaler(self.device, cfg.amp_mode)
@@ -293,11 +272,10 @@ class Trainer:
         if self.heartbeat is not None:
             from distributed.health import collectives_by_phase  # loaded by distributed runs only
 
-            mesh = ctx.mesh
             self.heartbeat.collectives = collectives_by_phase(
-                ddp=hasattr(self.model, "no_sync"), fsdp=self.fsdp_active,
-                zero1=cfg.data_parallel == "zero1" and mesh.dp_size > 1, model_parallel=mesh.model_parallel,
-                pipeline=cfg.pipeline_parallel > 1, clipping=bool(cfg.grad_clip_norm))
+                ddp=hasattr(self.model, "no_sync"), fsdp=self.fsdp_active, clipping=bool(cfg.grad_clip_norm),
+                zero1=cfg.data_parallel == "zero1" and ctx.mesh.dp_size > 1,
+                model_parallel=ctx.mesh.model_parallel, pipeline=cfg.pipeline_parallel > 1)
         # the process's peak memory up to here (model built, sharded, data loaders started), for
         # the first metrics record: a model that cannot fit one device must not be built whole
         peak = dev.peak_memory_bytes(self.device) or dev.process_peak_rss_bytes()
@@ -465,6 +443,29 @@ class Trainer:
         checkpointing.load(path, self.checkpoint_parts(),
                            shards=self.weights if self.weights.sharded else None)
         log.info("resumed from %s at step %d", path, self.step)
+
+    def replace_model(self, build: Callable[[], nn.Module]) -> None:
+        """The model's wrapper made again (freezing's DDP); the old one's hooks are freed first."""
+        self.model = None
+        gc.collect()
+        self.model = build()
+
+    def restore_progress(self, step: int, attention_kernel: str, epoch_steps: int) -> None:
+        """Where a checkpoint left the loop (training/state.py: LoopState)."""
+        self.step, self.attention_kernel, self.epoch_steps = step, attention_kernel, epoch_steps
+
+    def set_lr_factor(self, factor: Callable[[int], float]) -> None:
+        """Another schedule: step i's rate is ``lr`` x factor(i) (the range test's growing rate)."""
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+
+    @contextlib.contextmanager
+    def attention_kernel_as(self, kernel: str) -> Iterator[None]:
+        """Steps inside use ``kernel`` (the cost measurement counts math's FLOPs)."""
+        kept, self.attention_kernel = self.attention_kernel, kernel
+        try:
+            yield
+        finally:
+            self.attention_kernel = kept
 
     def mark(self, phase: str) -> None:
         """Where this rank is in its work, for the diagnosis of a hang (distributed/health.py)."""
