@@ -592,6 +592,19 @@ def test_a_figure_the_command_no_longer_prints_fails():
     assert "more than 30% off" in figure_check(rate, "190.0 samples/s")
 
 
+def test_figures_are_read_from_a_learners_day(tmp_path):
+    """page_figures.py --day: what scripts/course_day.py's commands printed, by command; a folder
+    without its day.json is refused in one line."""
+    from scripts.page_figures import day_outputs
+
+    (tmp_path / "01.log").write_text("Avg val loss=0.0137\n")
+    (tmp_path / "day.json").write_text('{"commands": [{"command": "python train.py --config tiny", '
+                                       '"log": "01.log"}]}')
+    assert day_outputs([tmp_path]) == {"python train.py --config tiny": "Avg val loss=0.0137\n"}
+    with pytest.raises(SystemExit, match=r"^error: .*no day.json of scripts/course_day.py$"):
+        day_outputs([tmp_path / "missing"])
+
+
 def page_id(page: Path) -> str:
     return page.stem
 
