@@ -34,6 +34,7 @@ from torch import nn
 from distributed.mappings import all_to_all
 from distributed.mesh import ParallelMesh, check_expert_parallel, expert_layouts, gather_placement, new_groups
 from distributed.tags import spec, tag
+from networks.backbone import replace
 from networks.moe import MoEMLP, assignment_shares
 
 log = logging.getLogger(__name__)
@@ -149,10 +150,9 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, ep: int) -> nn.M
     """Replace every MoE layer by this rank's part of it (in place)."""
     add_expert_groups(mesh, ep)
     layers = []
-    for block in model.blocks.values():
-        if isinstance(block.mlp, MoEMLP):
-            block.mlp = ExpertParallelMoE(block.mlp, mesh)
-            layers.append(block.mlp)
+    for path, serial in [(n, m) for n, m in model.named_modules() if isinstance(m, MoEMLP)]:
+        layers.append(ExpertParallelMoE(serial, mesh))
+        replace(model, path, layers[-1])
     if layers:
         log.info("expert parallel %d: this rank holds experts %d-%d of the %d of each MoE layer", ep,
                  layers[0].first, layers[0].first + layers[0].per_rank - 1, layers[0].num_experts)

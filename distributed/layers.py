@@ -1,9 +1,10 @@
-"""Tensor- and context-parallel layers of the ViT, each made from its serial counterpart.
+"""Tensor- and context-parallel layers, each made from its serial counterpart, where a backbone's
+plan puts them (networks/backbone.py: ``tp_plan``; distributed/parallelize.py applies it).
 
 Tensor parallel (tp), after Megatron-LM: a block's first linear layers are split by
-output features (column parallel: q, k, v, fc1), its last by input features (row
-parallel: proj, fc2). Between them every rank works on its own heads or its own slice
-of the MLP hidden features, with no communication; the row-parallel layer's partial
+output features (column parallel, "colwise": the ViT's q, k, v and fc1), its last by input
+features (row parallel, "rowwise": proj, fc2). Between them every rank works on its own heads or
+its own slice of the MLP hidden features, with no communication; the row-parallel layer's partial
 products are summed once (reduce_from). Its bias is added after that sum, once: adding
 it on every rank before the sum would count it tp times.
 
@@ -22,8 +23,9 @@ gradients are summed over tp (distributed/tags.py).
 
 Every layer here is made ``from_serial``: it keeps this rank's shard of the serial
 layer's weights (a copy of its own), so the parallel model starts from exactly the serial
-model's weights whatever the layout. Layer norms, the patch embedding and the head stay
-whole on every rank (replicated). Parameter tags (distributed/tags.py) record which is which.
+model's weights whatever the layout. The layers outside the plan (the ViT's layer norms, patch
+embedding and head) stay whole on every rank (replicated). Parameter tags (distributed/tags.py)
+record which is which.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from distributed.mappings import (
 )
 from distributed.mesh import ParallelMesh
 from distributed.tags import tag
-from networks.vit import MLP, Attention, split_qkv
+from networks.backbone import AttentionCore
 
 
 def _shard(t: torch.Tensor, dim: int, mesh: ParallelMesh) -> nn.Parameter:
@@ -121,47 +123,22 @@ class RowParallelLinear(nn.Module):
         return reduce_from(F.linear(x, self.weight), self.group) + self.bias
 
 
-class DistributedMLP(nn.Module):
-    """fc1 column parallel, GELU on this rank's hidden features, fc2 row parallel."""
+class ContextParallelAttention(AttentionCore):
+    """Attention of this rank's queries (cp) to the keys and values of every rank's tokens.
 
-    def __init__(self, serial: MLP, mesh: ParallelMesh, seq_sizes: list[int] | None = None) -> None:
-        super().__init__()
-        self.fc1 = ColumnParallelLinear(serial.fc1, mesh, seq_sizes)
-        self.fc2 = RowParallelLinear(serial.fc2, mesh, seq_sizes)
-        self.drop = nn.Dropout(serial.drop.p)
+    Shapes on one rank: q, k, v (B, n, h, head_dim) with n = its tokens and h its heads (all of
+    them, or with tp its own: the ViT's projection is head-major, so a column-parallel slice
+    holds whole heads) -> k, v gathered over cp to (B, N, h, head_dim) -> attention -> (B, n,
+    h * head_dim). Backward sums every rank's gradients of the gathered keys and values."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.fc2(self.drop(F.gelu(self.fc1(x)))))
-
-
-class DistributedAttention(nn.Module):
-    """Self-attention over this rank's heads (tp) for this rank's queries (cp).
-
-    Shapes on one rank: x (B, n, D) with n = its tokens -> qkv (B, n, 3D / tp), whole
-    heads because the serial projection is head-major -> q, k, v (B, n, H / tp, head_dim)
-    -> k, v gathered over cp to (B, N, H / tp, head_dim) -> attention per head
-    (B, H / tp, n, head_dim) -> (B, n, D / tp) -> proj, summed over tp: (B, n, D).
-    With sequence parallelism x and the output are (B, n / tp, D): qkv gathers the n tokens.
-    """
-
-    def __init__(self, serial: Attention, mesh: ParallelMesh, seq_sizes: list[int],
-                 tp_seq_sizes: list[int] | None = None) -> None:
-        super().__init__()
+    def __init__(self, serial: AttentionCore, mesh: ParallelMesh, seq_sizes: list[int]) -> None:
+        super().__init__(serial.dropout)
         self.cp_group, self.seq_sizes = mesh.group("cp"), seq_sizes
-        self.head_dim = serial.head_dim
-        self.qkv = ColumnParallelLinear(serial.qkv, mesh, tp_seq_sizes)
-        self.proj = RowParallelLinear(serial.proj, mesh, tp_seq_sizes)
-        self.dropout = serial.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = split_qkv(self.qkv(x), self.head_dim)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k = gather_sequence(k, 1, self.cp_group, self.seq_sizes)
         v = gather_sequence(v, 1, self.cp_group, self.seq_sizes)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        p = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
-        b, _, n, _ = out.shape
-        return self.proj(out.transpose(1, 2).reshape(b, n, -1))
+        return super().forward(q, k, v)
 
 
 class SequenceSplit(nn.Module):

@@ -1,23 +1,25 @@
 """Serial model -> this rank's model: every kind of parallelism applied from outside.
 
-The serial ViT (networks/vit.py) is built from the seed on every rank, so every layout
-starts from the same weights. :func:`parallelize` then transforms it, always in this order:
+The serial model (a backbone, networks/backbone.py) is built from the seed on every rank, so
+every layout starts from the same weights. :func:`parallelize` then transforms it, always in
+this order, knowing only the backbone's parts (its units) and its tensor-parallel plan:
 
-1. tensor and context parallel (:func:`apply_model_parallel`): each block's attention and
-   MLP are swapped for the Column/Row-parallel versions, which keep this rank's shards of
-   the serial weights; the token slots split and gather the sequence. Parameters keep
+1. tensor and context parallel (:func:`apply_model_parallel`): the linear layers of the plan
+   are swapped for the Column/Row-parallel versions, which keep this rank's shards of the
+   serial weights, and its attentions gather keys and values over cp; the token slots split
+   and gather the sequence. Parameters keep
    their serial names and get tags that say how they are split. Then expert parallel
    (distributed/experts.py): each mixture of experts keeps this rank's experts.
-2. activation checkpointing (``activation_checkpointing``): the chosen blocks keep only their
+2. activation checkpointing (``activation_checkpointing``): the chosen units keep only their
    input for backward and recompute the rest (non-reentrant ``torch.utils.checkpoint``, which
    also replays the dropout masks, so gradients are those of the plain model).
-3. torch.compile (``enable_jit``) of each transformer block, in place (``Module.compile``), so
-   parameter names stay serial; per block, as torchtitan does, so that DDP can start a
-   block's gradient all-reduce while backward still runs through the blocks before it.
+3. torch.compile (``enable_jit``) of each unit (a transformer block), in place
+   (``Module.compile``), so parameter names stay serial; per unit, as torchtitan does, so that
+   DDP can start a unit's gradient all-reduce while backward still runs through those before it.
 4. data parallel over the dp dimension, as ``data_parallel`` says: DDP
    (:func:`~distributed.tags.wrap_data_parallel`, with a comm hook that also sums gradients
    over cp when the tags ask for it; also for zero1, whose sharding is in the optimizer), or
-   FSDP (:func:`~distributed.sharding.apply_fsdp`: each block, then the root). A pipeline
+   FSDP (:func:`~distributed.sharding.apply_fsdp`: each unit, then the root). A pipeline
    stage is not wrapped in DDP: it averages its gradients over dp after the pipeline's
    flush (distributed/pipeline.py).
 
@@ -42,35 +44,48 @@ from distributed.mesh import ParallelMesh
 from distributed.sharding import apply_fsdp, fsdp_active
 from distributed.shards import is_sharded, local, shard_of
 from distributed.tags import spec, tag_model, wrap_data_parallel
-from networks.vit import ViT
+from networks.backbone import Backbone, replace
 from utils.config_groups import MemoryConfig, OptimizerConfig, ParallelConfig
 
 log = logging.getLogger(__name__)
 
 
-def apply_model_parallel(model: ViT, mesh: ParallelMesh, sequence_parallel: bool = False) -> ViT:
-    """Swap the serial layers for tensor/context-parallel ones (in place); tag every parameter.
-    With ``sequence_parallel`` (and tp > 1) the tokens between the tensor-parallel layers are
-    split over tp as well: after the cp split, each tp rank keeps its part of the cp slice."""
+def apply_model_parallel(model: Backbone, mesh: ParallelMesh, sequence_parallel: bool = False) -> Backbone:
+    """Swap the layers of the model's tensor-parallel plan for tensor/context-parallel ones (in
+    place); tag every parameter. With ``sequence_parallel`` (and tp > 1) the tokens between the
+    tensor-parallel layers are split over tp as well: after the cp split, each tp rank keeps its
+    part of the cp slice."""
     if mesh.size("tp") == 1 and mesh.size("cp") == 1:  # nothing to split inside the layers
         return model
     # imported here: a run without tensor or context parallelism never needs the layers
     from distributed.layers import (
-        DistributedAttention,
-        DistributedMLP,
+        ColumnParallelLinear,
+        ContextParallelAttention,
+        RowParallelLinear,
         SequenceGather,
         SequenceSplit,
         sequence_sizes,
         tp_sequence_sizes,
     )
 
+    plan = model.tp_plan()
+    if mesh.size("tp") > 1 and "colwise" not in plan.values():
+        raise ValueError(f"{type(model).__name__} has no tensor-parallel plan (networks/backbone.py: "
+                         f"tp_plan); use --tensor_parallel 1")
+    if mesh.size("cp") > 1 and not (model.num_tokens and "context" in plan.values()):
+        raise ValueError(f"{type(model).__name__} has no tokens to split or no attention to gather them "
+                         f"(networks/backbone.py: num_tokens, tp_plan); use --context_parallel 1")
     sp = sequence_parallel and mesh.size("tp") > 1
     sizes = sequence_sizes(model.num_tokens, mesh)
     tp_sizes = tp_sequence_sizes(model.num_tokens, mesh) if sp else None
-    for block in model.blocks.values():
-        block.attn = DistributedAttention(block.attn, mesh, sizes, tp_sizes)
-        if hasattr(block.mlp, "fc1"):  # a mixture of experts stays whole on every tp rank (replicated)
-            block.mlp = DistributedMLP(block.mlp, mesh, tp_sizes)
+    for path, style in plan.items():
+        serial = model.get_submodule(path)
+        if style == "colwise":
+            replace(model, path, ColumnParallelLinear(serial, mesh, tp_sizes))
+        elif style == "rowwise":
+            replace(model, path, RowParallelLinear(serial, mesh, tp_sizes))
+        elif mesh.size("cp") > 1:  # "context": this rank's queries attend to every rank's keys
+            replace(model, path, ContextParallelAttention(serial, mesh, sizes))
     splits, gathers = [], []  # (B, N, D) -> cp slice -> its tp part, and back in reverse
     if mesh.size("cp") > 1:
         splits.append(SequenceSplit(sizes, mesh, "cp"))
@@ -88,15 +103,15 @@ def apply_model_parallel(model: ViT, mesh: ParallelMesh, sequence_parallel: bool
     return model
 
 
-def apply_activation_checkpointing(model: ViT, mode: str) -> ViT:
-    """Recompute the activations of every block (``full``) or of every other block
-    (``selective``: half the saving for half the extra forward work) in backward. The block's
-    ``forward`` is wrapped in place, so parameter names (and checkpoints) do not change."""
+def apply_activation_checkpointing(model: Backbone, mode: str) -> Backbone:
+    """Recompute the activations of every unit (``full``) or of every other unit (``selective``:
+    half the saving for half the extra forward work) in backward. The unit's ``forward`` is
+    wrapped in place, so parameter names (and checkpoints) do not change."""
     if mode == "none":
         return model
-    for i, block in enumerate(model.blocks.values()):
+    for i, unit in enumerate(model.units().values()):
         if mode == "full" or i % 2 == 0:
-            block.forward = _checkpointed(block.forward)
+            unit.forward = _checkpointed(unit.forward)
     return model
 
 
@@ -110,8 +125,8 @@ def _checkpointed(forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[
 InitialValues = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
 
-def serial_values(serial: ViT, seed: int) -> InitialValues:
-    """The serial model's initial values, parameter by parameter (``ViT.initial_values``), from
+def serial_values(serial: Backbone, seed: int) -> InitialValues:
+    """The serial model's initial values, parameter by parameter (``Backbone.initial_values``), from
     a generator seeded with ``seed`` each time they are asked for: every rank, and every
     pipeline stage, draws the same numbers. Kept from a copy of ``serial`` as built (on the meta
     device a copy costs nothing), since parallelizing replaces its layers."""
@@ -161,7 +176,7 @@ def materialize(model: nn.Module, mesh: ParallelMesh, device: torch.device,
     return model
 
 
-def parallelize(model: ViT, mesh: ParallelMesh, device: torch.device, layout: ParallelConfig,
+def parallelize(model: Backbone, mesh: ParallelMesh, device: torch.device, layout: ParallelConfig,
                 memory: MemoryConfig, optim: OptimizerConfig, seed: int = 0,
                 initial_values: InitialValues | None = None) -> nn.Module:
     """This rank's model, on ``device``, ready to train (see the module docstring for the order):
@@ -180,8 +195,8 @@ def parallelize(model: ViT, mesh: ParallelMesh, device: torch.device, layout: Pa
         model = model.to(device)
     model = apply_activation_checkpointing(model, memory.activation_checkpointing)
     if optim.enable_jit:
-        for block in model.blocks.values():
-            block.compile()
+        for unit in model.units().values():
+            unit.compile()
     if fsdp_active(layout, mesh):  # on meta: only the shards' shapes
         model = apply_fsdp(model, mesh, layout, optim.amp_mode, memory.cpu_offload)
         return materialize(model, mesh, device, initial_values) if meta else model

@@ -1,9 +1,10 @@
-"""Pipeline parallelism: the serial ViT cut into stages, run by torch.distributed.pipelining.
+"""Pipeline parallelism: the serial model cut into stages, run by torch.distributed.pipelining.
 
-Each rank of a pipeline (pp) group holds a contiguous stage of the transformer blocks:
-the first stage also the patch embedding, the last the norm and head. Stage s passes its
-output tokens (B, N, D) to stage s + 1 point to point, and in backward the gradient of
-those tokens comes back; weights and their gradients never travel between stages.
+Each rank of a pipeline (pp) group holds a contiguous stage of the model's units (the ViT's
+transformer blocks): the first stage also the stem (the ViT's patch embedding), the last the
+tail (its norm and head). Stage s passes its output h (the ViT's tokens, (B, N, D)) to stage
+s + 1 point to point, and in backward the gradient of h comes back; weights and their
+gradients never travel between stages.
 
 The local batch is split into ``num_microbatches`` micro-batches so that the stages can
 work at the same time on different micro-batches. The schedule says in which order each
@@ -26,7 +27,7 @@ All schedules flush at the end of every step (every micro-batch's backward is do
 the optimizer steps), so every micro-batch sees the same weights, as in the serial model.
 ``async_1f1b`` does not: distributed/async_pipeline.py runs it on the same stages.
 
-Stages are cut by hand from the serial model (:func:`cut_stage`), not traced, so the
+Stages are cut by hand from the serial model (``Backbone.cut``), not traced, so the
 parameters keep the serial names: checkpoints are consolidated and load into any layout.
 """
 
@@ -46,7 +47,7 @@ from distributed.env import all_reduce_sum
 from distributed.mesh import ParallelMesh
 from distributed.sharding import fsdp_active
 from distributed.tags import unwrap
-from networks.vit import ViT
+from networks.backbone import Backbone
 from utils import device as dev
 from utils.config_groups import INTERLEAVED, ParallelConfig
 
@@ -101,31 +102,19 @@ def rank_stages(pp_rank: int, pp: int, per_rank: int) -> list[int]:
     return [pp_rank + k * pp for k in range(per_rank)]
 
 
-def cut_stage(model: ViT, blocks: range, first: bool, last: bool) -> ViT:
-    """Keep only this stage's parts of ``model`` (in place); the names stay the serial ones."""
-    for name in list(model.blocks):
-        if int(name) not in blocks:
-            del model.blocks[name]
-    if not first:
-        model.patch_embed = None
-        model.pos_embed = None
-    if not last:
-        model.norm = None
-        model.head = None
-    return model
-
-
-def describe_split(ranges: list[range], pp: int, prefix: int = 0) -> str:
+def describe_split(ranges: list[range], pp: int, labels: tuple[str, str], prefix: int = 0) -> str:
+    """One line for the log: each stage's units and parts (``labels``: the stem's and the tail's
+    names, ``Backbone.LABELS``)."""
     parts = []
     for s, r in enumerate(ranges):
         what = [f"blocks {r.start}-{r.stop - 1}" if len(r) > 1 else f"block {r.start}"]
         if s == 0 and prefix:
             frozen = f"blocks 0-{prefix - 1}" if prefix > 1 else "block 0"
-            what.insert(0, f"(frozen, without autograd: embedding + {frozen})")
+            what.insert(0, f"(frozen, without autograd: {labels[0]} + {frozen})")
         elif s == 0:
-            what.insert(0, "embedding")
+            what.insert(0, labels[0])
         if s == len(ranges) - 1:
-            what.append("head")
+            what.append(labels[1])
         parts.append(f"stage {s} (rank {s % pp} of the pipeline): {' + '.join(what)}")
     return "; ".join(parts)
 
@@ -141,7 +130,7 @@ class Pipeline:
 
     def __init__(self, chunks: list[nn.Module], stage_ids: list[int], n_stages: int,
                  mesh: ParallelMesh, device: torch.device, layout: ParallelConfig,
-                 token_shape: tuple[int, int],
+                 token_shape: tuple[int, ...],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  prefix: nn.Module | None = None) -> None:
         self.chunks, self.stage_ids, self.n_stages = chunks, stage_ids, n_stages
@@ -157,7 +146,7 @@ class Pipeline:
         self.dp_group = mesh.dp_group
         self.average_over_dp = mesh.dp_size > 1 and not fsdp_active(layout, mesh) and not layout.noddp
         self.is_first, self.is_last = 0 in stage_ids, n_stages - 1 in stage_ids
-        self.token_shape = token_shape  # (N, D): what passes between stages, per sample
+        self.token_shape = token_shape  # the ViT's (N, D): what passes between stages, per sample
         self.start_schedule(layout, loss_fn)
 
     def start_schedule(self, layout: ParallelConfig,
@@ -277,8 +266,8 @@ def _timed(fn: Callable[..., Any], kind: str, stage: int, events: list,
     return run
 
 
-def build(serial: ViT, mesh: ParallelMesh, layout: ParallelConfig, device: torch.device,
-          parallelize: Callable[[ViT], nn.Module],
+def build(serial: Backbone, mesh: ParallelMesh, layout: ParallelConfig, device: torch.device,
+          parallelize: Callable[[Backbone], nn.Module],
           loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
           kind: type[Pipeline] = Pipeline, ranges: list[range] | None = None, prefix: int = 0) -> Pipeline:
     """Cut ``serial`` into this rank's stages, make each one parallel over the other dimensions
@@ -287,18 +276,18 @@ def build(serial: ViT, mesh: ParallelMesh, layout: ParallelConfig, device: torch
     ``ranges``: each stage's blocks (default: as equal as possible); ``prefix``: the embedding and
     that many first blocks are frozen and run before the schedule on the first stage's rank."""
     n_stages = layout.stages
-    ranges = ranges or split_blocks(len(serial.blocks), n_stages)
-    token_shape = (serial.num_tokens, serial.pos_embed.shape[-1])
+    ranges = ranges or split_blocks(len(serial.units()), n_stages)
+    token_shape = serial.unit_shape
     ids = rank_stages(mesh.rank_in("pp"), mesh.size("pp"), n_stages // mesh.size("pp"))
     if mesh.rank == 0:
         log.info("pipeline of %d stages, %s schedule, %d micro-batches: %s", n_stages,
                  layout.pipeline_schedule, layout.num_microbatches,
-                 describe_split(ranges, mesh.size("pp"), prefix))
+                 describe_split(ranges, mesh.size("pp"), serial.LABELS, prefix))
     frozen = None
     if prefix and 0 in ids:
-        frozen = parallelize(cut_stage(copy.deepcopy(serial), range(prefix), True, False))
+        frozen = parallelize(copy.deepcopy(serial).cut(range(prefix), True, False))
     chunks = []
     for k, s in enumerate(ids):
         model = serial if k == len(ids) - 1 else copy.deepcopy(serial)  # one copy per stage
-        chunks.append(parallelize(cut_stage(model, ranges[s], s == 0 and not prefix, s == n_stages - 1)))
+        chunks.append(parallelize(model.cut(ranges[s], s == 0 and not prefix, s == n_stages - 1)))
     return kind(chunks, ids, n_stages, mesh, device, layout, token_shape, loss_fn, frozen)

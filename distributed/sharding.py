@@ -46,11 +46,12 @@ def zero1_active(layout: ParallelConfig, mesh: ParallelMesh) -> bool:
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, layout: ParallelConfig, amp_mode: str,
                cpu_offload: bool) -> nn.Module:
-    """``fully_shard`` each transformer block, then the root (patch embedding, norm, head).
+    """``fully_shard`` each of the model's units (the ViT's transformer blocks), then the root
+    (the stem and the tail: the ViT's patch embedding, norm and head).
 
-    Blocks first: each becomes one all-gather / reduce-scatter unit, so the next block's
-    gather overlaps this block's compute; the root then holds only what no block owns. The
-    root is not resharded after forward: backward starts with the head at once.
+    Units first: each becomes one all-gather / reduce-scatter unit, so the next unit's gather
+    overlaps this unit's compute; the root then holds only what no unit owns. The root is not
+    resharded after forward: backward starts with the tail at once.
     With tensor parallelism the shards are of this rank's tensor-parallel slice, over dp."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -62,10 +63,10 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, layout: ParallelConfig, amp
     offload = CPUOffloadPolicy(pin_memory=dev.cuda_available()) if cpu_offload else OffloadPolicy()
     dp_mesh = hsdp_mesh(mesh, layout) if layout.data_parallel == "hsdp" else mesh.device_mesh["dp"]
     backend = dist.get_backend(mesh.dp_group)
-    for block in model.blocks.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=layout.reshard_after_forward,
+    for unit in model.units().values():
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=layout.reshard_after_forward,
                     mp_policy=policy, offload_policy=offload)
-        compat.fsdp_average_on_gloo(block, backend)
+        compat.fsdp_average_on_gloo(unit, backend)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
     compat.fsdp_average_on_gloo(model, backend)
     for name, p in model.named_parameters():  # fully_shard made new (DTensor) parameters

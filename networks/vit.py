@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from networks.backbone import AttentionCore, Backbone
 from utils.config_groups import ModelConfig
 
 
@@ -61,16 +62,13 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim)
+        self.core = AttentionCore(dropout)
         self.proj = nn.Linear(dim, dim)
-        self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (B, N, D) -> q, k, v (B, heads, N, head_dim) -> attention -> (B, N, D)
-        q, k, v = (t.transpose(1, 2) for t in split_qkv(self.qkv(x), self.head_dim))
-        p = self.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
-        b, _, n, _ = out.shape
-        return self.proj(out.transpose(1, 2).reshape(b, n, -1))
+        # (B, N, D) -> q, k, v (B, N, heads, head_dim) -> attention (B, N, D) -> (B, N, D). The
+        # heads are counted from the shape: with tensor parallelism qkv gives this rank's heads.
+        return self.proj(self.core(*split_qkv(self.qkv(x), self.head_dim)))
 
 
 class MLP(nn.Module):
@@ -105,13 +103,17 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class ViT(nn.Module):
-    """The serial model. Its parts are named so that they can be replaced, removed or wrapped
-    from outside (distributed/parallelize.py): ``blocks`` is a ModuleDict keyed "0", "1", ...
-    (a pipeline stage keeps only its own blocks, under their serial names), and the two
-    identity slots ``seq_split`` / ``seq_gather`` are where context parallelism splits the
-    tokens over ranks and gathers them back.
+class ViT(Backbone):
+    """The serial model, a :class:`~networks.backbone.Backbone`: the stem is the patch and position
+    embedding, the units are the transformer blocks (``blocks``, a ModuleDict keyed "0", "1", ...:
+    a pipeline stage keeps only its own, under their serial names), the tail the final norm and
+    head, ``assemble`` puts the patches back on the grid.
     """
+
+    STEM = ("patch_embed", "pos_embed")
+    UNITS = "blocks"
+    TAIL = ("norm", "head")
+    LABELS = ("embedding", "head")
 
     def __init__(
         self,
@@ -129,19 +131,18 @@ class ViT(nn.Module):
         moe_every: int = 2,
         moe_capacity_factor: float = 0.0,
     ) -> None:
-        super().__init__()
         h, w = img_size
         if h % patch_size or w % patch_size:
             raise ValueError(f"img_size {h} x {w} is not divisible by patch_size {patch_size}")
+        grid = (h // patch_size, w // patch_size)
+        super().__init__(unit_shape=(grid[0] * grid[1], embed_dim), num_tokens=grid[0] * grid[1])
         self.img_size = (h, w)
         self.patch_size = patch_size
         self.out_channels = out_channels
-        self.grid = (h // patch_size, w // patch_size)
-        self.num_tokens = self.grid[0] * self.grid[1]
+        self.grid = grid
         self.patch_embed = PatchEmbed(in_channels, embed_dim, patch_size)
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_tokens, embed_dim))
         self.pos_drop = nn.Dropout(dropout)
-        self.seq_split = nn.Identity()
         # with num_experts > 0, every moe_every-th block (the last of each group of moe_every)
         # has a mixture of experts instead of its MLP
         experts = {"num_experts": num_experts, "top_k": moe_top_k, "capacity_factor": moe_capacity_factor}
@@ -151,14 +152,34 @@ class ViT(nn.Module):
              for i in range(depth)})
         self.norm = nn.LayerNorm(embed_dim)
         self.head = nn.Linear(embed_dim, out_channels * patch_size * patch_size)
-        self.seq_gather = nn.Identity()
         self.reset_parameters()
 
-    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Every parameter to its initial value (``initial_values``, drawn from ``generator``)."""
-        with torch.no_grad():
-            for name, value in self.initial_values(generator):
-                self.get_parameter(name).copy_(value)
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> ViT:
+        return cls(img_size=cfg.img_size, patch_size=cfg.patch_size, in_channels=cfg.n_in_channels,
+                   out_channels=cfg.n_out_channels, embed_dim=cfg.embed_dim, depth=cfg.depth,
+                   num_heads=cfg.num_heads, mlp_ratio=cfg.mlp_ratio, dropout=cfg.dropout,
+                   num_experts=cfg.num_experts, moe_top_k=cfg.moe_top_k, moe_every=cfg.moe_every,
+                   moe_capacity_factor=cfg.moe_capacity_factor)
+
+    def tp_plan(self) -> dict[str, str]:
+        """Megatron-LM's split of a block: q/k/v and fc1 by output features, proj and fc2 by input
+        features; a mixture of experts stays whole on every tp rank (replicated)."""
+        plan = {}
+        for name, block in self.blocks.items():
+            b = f"blocks.{name}."
+            plan.update({b + "attn.qkv": "colwise", b + "attn.core": "context", b + "attn.proj": "rowwise"})
+            if isinstance(block.mlp, MLP):
+                plan.update({b + "mlp.fc1": "colwise", b + "mlp.fc2": "rowwise"})
+        return plan
+
+    @classmethod
+    def upgrade_state_dict(cls, state: dict[str, torch.Tensor],
+                           cfg: ModelConfig) -> dict[str, torch.Tensor] | None:
+        """Older checkpoints had separate q, k and v projections: fused, head-major."""
+        if not any(name.endswith(".attn.q.weight") for name in state):
+            return None
+        return upgrade_state_dict(state, cfg.num_heads)
 
     def initial_values(self, generator: torch.Generator | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Each parameter's initial value, one at a time, as a new CPU tensor, always drawn in the
@@ -198,61 +219,24 @@ class ViT(nn.Module):
         x = x.reshape(b, gh, gw, c, p, p).permute(0, 3, 1, 4, 2, 5)
         return x.reshape(b, c, gh * p, gw * p)
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) -> (B, N, D), every token (context parallel: (B, n, D), this rank's)."""
+    def stem(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, N, D)."""
         # The patch embedding's transpose leaves the tokens strided as (B, D, N); they are copied
         # into (B, N, D) order here because torch.compile'd blocks under bf16 autocast gave NaN for
         # that strided input on some Intel AMX CPUs (torch 2.13 and 2.15;
         # scripts/compile_bf16_check.py shows it on a CPU)
-        x = self.pos_drop((self.patch_embed(x) + self.pos_embed).contiguous())
-        return self.seq_split(x)
+        return self.pos_drop((self.patch_embed(x) + self.pos_embed).contiguous())
 
-    def forward(self, x: torch.Tensor, first_block: int = 0) -> torch.Tensor:
-        # A pipeline stage (distributed/pipeline.py) has only some of the parts: without the
-        # patch embedding it receives tokens (B, N, D); without the head it returns them.
-        # ``first_block`` > 0: the embedding and the blocks before it have run already (a frozen
-        # prefix, training/freezing.py), and x is their output tokens.
-        if self.patch_embed is not None and first_block == 0:
-            x = self.embed(x)
-        for name, block in self.blocks.items():
-            if int(name) >= first_block:
-                x = block(x)
-        if self.head is None:  # point-to-point sends need one contiguous buffer
-            return x.contiguous()
-        x = self.seq_gather(self.head(self.norm(x)))  # every token again: (B, N, C * p * p)
-        return self.unpatchify(x)
+    def tail(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(h))  # (B, n, D) -> (B, n, C * p * p)
+
+    def assemble(self, y: torch.Tensor) -> torch.Tensor:
+        return self.unpatchify(y)  # every token again: (B, N, C * p * p) -> (B, C, H, W)
 
 
 def build_vit(cfg: ModelConfig) -> ViT:
-    """The configured serial ViT (distributed/parallelize.py makes this rank's part of it); ``cfg``
-    is the configuration's model group (``Config.model``)."""
-    return ViT(
-        img_size=cfg.img_size,
-        patch_size=cfg.patch_size,
-        in_channels=cfg.n_in_channels,
-        out_channels=cfg.n_out_channels,
-        embed_dim=cfg.embed_dim,
-        depth=cfg.depth,
-        num_heads=cfg.num_heads,
-        mlp_ratio=cfg.mlp_ratio,
-        dropout=cfg.dropout,
-        num_experts=cfg.num_experts,
-        moe_top_k=cfg.moe_top_k,
-        moe_every=cfg.moe_every,
-        moe_capacity_factor=cfg.moe_capacity_factor,
-    )
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def build_on_meta(cfg: ModelConfig) -> tuple[ViT, int]:
-    """The serial model on the meta device (shapes only: no memory, no random numbers drawn) and
-    its number of parameters: what every layout builds first, before taking its part of it."""
-    with torch.device("meta"):
-        model = build_vit(cfg)
-    return model, count_parameters(model)
+    """The configured serial ViT (``cfg``: the configuration's model group, ``Config.model``)."""
+    return ViT.from_config(cfg)
 
 
 def upgrade_state_dict(state: dict[str, torch.Tensor], num_heads: int) -> dict[str, torch.Tensor]:

@@ -58,7 +58,7 @@ from torch.utils import flop_counter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from networks.vit import build_vit  # noqa: E402
+from networks.backbone import build  # noqa: E402
 from scripts.instruments import write_report  # noqa: E402
 from training.context import RunContext  # noqa: E402
 from training.trainer import Callback, EagerStep, Trainer  # noqa: E402
@@ -255,7 +255,7 @@ CPU_ATTENTION_FLOPS = {
 def flops_per_sample(cfg: Config, batch: int, device: torch.device) -> float:
     """Forward + backward FLOPs of the model per sample (eager, fp32: FLOPs do not depend on dtype)."""
     torch.manual_seed(0)
-    model = build_vit(cfg.model).to(device)
+    model = build(cfg.model).to(device)
     h, w = cfg.img_size
     inp = torch.randn(batch, cfg.n_in_channels, h, w, device=device)
     tar = torch.randn(batch, cfg.n_out_channels, h, w, device=device)
@@ -309,7 +309,7 @@ def linear_shapes(cfg: Config, batch: int,
     forward of one sample on ``device`` (a layer's rows grow with the batch); a forward on the
     meta device would need no arithmetic, but its attention imports sympy: seconds."""
     device = device or torch.device("cpu")
-    model = build_vit(cfg).to(device)
+    model = build(cfg).to(device)
     h, w = cfg.img_size
     shapes: dict[tuple[int, int, int], int] = {}
 
@@ -625,7 +625,7 @@ def bare_step(cfg: Config, batch: int, device: torch.device, amp: str, fused: bo
     memory, and the attention kernel it runs: the one the trainer chooses for these settings
     (utils/attention.py)."""
     torch.manual_seed(cfg.seed)
-    model = build_vit(cfg.model).to(device)
+    model = build(cfg.model).to(device)
     # the Trainer's Adam kernel (fused, else foreach), so the reference differs from it only in
     # what surrounds the step
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, **dev.adam_kernel(fused))

@@ -50,7 +50,9 @@ def refresh(text: str) -> tuple[str, list[str]]:
         if now is None or now == (start, end):
             return m.group(0)
         moved.append(f"{path} lines {start}-{end} -> {now[0]}-{now[1]} ({', '.join(wanted)})")
-        return m.group(0).replace(f"lines {start}-{end}", f"lines {now[0]}-{now[1]}", 1)
+        # the numbers replaced where the match has them ("lines" and the range may be a line apart)
+        begin, stop = m.start(2) - m.start(0), m.end(3) - m.start(0)
+        return m.group(0)[:begin] + f"{now[0]}-{now[1]}" + m.group(0)[stop:]
 
     return CODE_RANGE.sub(fix, text), moved
 

@@ -131,10 +131,10 @@ def build(cfg, setting: dict[str, Any], timeline: Timeline, group, device):
     import torch
 
     from exercises.allreduce_grads_solution import average_gradients
-    from networks.vit import build_vit
+    from networks.backbone import build
 
     torch.manual_seed(cfg.seed)
-    model = build_vit(cfg.model).to(device)
+    model = build(cfg.model).to(device)
     if setting["kind"] == "after":  # the data-parallel exercise's solution
         return model, lambda: average_gradients(model, group)
     if setting["kind"] == "after_flat":
@@ -148,7 +148,7 @@ def build(cfg, setting: dict[str, Any], timeline: Timeline, group, device):
         return ddp, None
     from torch.distributed.fsdp import fully_shard
 
-    blocks = list(model.blocks.values())
+    blocks = list(model.units().values())  # the transformer blocks
     for block in blocks:
         fully_shard(block)
     fully_shard(model)
@@ -201,10 +201,10 @@ def time_variant(cfg, setting: dict[str, Any], args: argparse.Namespace, group, 
 
 
 def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, cfg, world: int) -> None:
-    from networks.vit import build_vit, count_parameters
+    from networks.backbone import build, count_parameters
 
     args.out.mkdir(parents=True, exist_ok=True)
-    params = count_parameters(build_vit(cfg.model))
+    params = count_parameters(build(cfg.model))
     base = rows[0]["step_ms"]
     lines = [f"Config `{args.config}` ({params / 1e6:.2f}M parameters, {4 * params / 1e6:.1f} MB of fp32 "
              f"gradients), {world} ranks, local batch {max(1, cfg.global_batch_size // world)}; median of "

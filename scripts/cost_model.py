@@ -17,6 +17,7 @@ is left out.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -71,26 +72,46 @@ class Model:
                    cfg.depth, cfg.num_heads, cfg.mlp_ratio, cfg.num_experts, cfg.moe_top_k, cfg.moe_every)
 
 
+@functools.cache
+def serial_model(m: Model) -> Any:
+    """The serial model of these sizes, built on the meta device (shapes only, nothing drawn):
+    the parameters and the tensor-parallel split are read from it, not kept by hand."""
+    from networks.backbone import build_on_meta  # torch is needed only from here on
+    from utils.config_groups import ModelConfig
+
+    return build_on_meta(ModelConfig(
+        img_size=m.img, patch_size=m.patch, n_in_channels=m.c_in, n_out_channels=m.c_out, embed_dim=m.dim,
+        depth=m.depth, num_heads=m.heads, mlp_ratio=m.mlp_ratio, num_experts=m.num_experts,
+        moe_top_k=m.top_k, moe_every=m.moe_every))[0]
+
+
+@functools.cache
+def _shapes(m: Model) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((name, tuple(p.shape)) for name, p in serial_model(m).named_parameters())
+
+
 def parameter_shapes(m: Model) -> list[tuple[str, tuple[int, ...]]]:
-    """Every parameter of the serial ViT with its shape, in the model's order (a module's own
-    parameters before its children's: the positional embedding first)."""
-    D, F, p = m.dim, m.hidden, m.patch
-    shapes = [("pos_embed", (1, m.tokens, D)), ("patch_embed.proj.weight", (D, m.c_in, p, p)),
-              ("patch_embed.proj.bias", (D,))]
-    for i in range(m.depth):
-        b = f"blocks.{i}."
-        shapes += [(b + "norm1.weight", (D,)), (b + "norm1.bias", (D,)),
-                   (b + "attn.qkv.weight", (3 * D, D)), (b + "attn.qkv.bias", (3 * D,)),
-                   (b + "attn.proj.weight", (D, D)), (b + "attn.proj.bias", (D,)),
-                   (b + "norm2.weight", (D,)), (b + "norm2.bias", (D,))]
-        mlps = [f"{b}mlp.experts.{e}." for e in range(m.num_experts)] if m.moe(i) else [b + "mlp."]
-        if m.moe(i):
-            shapes.append((b + "mlp.router.weight", (m.num_experts, D)))
-        for mlp in mlps:
-            shapes += [(mlp + "fc1.weight", (F, D)), (mlp + "fc1.bias", (F,)),
-                       (mlp + "fc2.weight", (D, F)), (mlp + "fc2.bias", (D,))]
-    return shapes + [("norm.weight", (D,)), ("norm.bias", (D,)),
-                     ("head.weight", (m.c_out * p * p, D)), ("head.bias", (m.c_out * p * p,))]
+    """Every parameter of the serial model with its shape, in the model's order."""
+    return list(_shapes(m))
+
+
+@functools.cache
+def tp_dims(m: Model) -> dict[str, int]:
+    """Parameter name -> the dimension tensor parallelism splits, from the model's plan
+    (``Backbone.tp_plan``): a column-parallel layer's weight and bias by rows, a row-parallel
+    layer's weight by columns (its bias is added once, whole); the rest is replicated."""
+    dims = {}
+    for path, style in serial_model(m).tp_plan().items():
+        if style == "colwise":
+            dims.update({f"{path}.weight": 0, f"{path}.bias": 0})
+        elif style == "rowwise":
+            dims[f"{path}.weight"] = 1
+    return dims
+
+
+def part_of(m: Model, name: str) -> str | int:
+    """A parameter's part of the model: "stem", its unit's index, "tail" (``Backbone.part_of``)."""
+    return serial_model(m).part_of(name)
 
 
 # ------------------------------------------------------------------ the layout ---
@@ -293,16 +314,13 @@ def weight_versions(lay: Layout, pp_rank: int = 0) -> int:
     return 1 + math.ceil(behind / lay.microbatches)
 
 
-def tp_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """This tp rank's part: qkv and fc1 split by rows (column parallel), proj and fc2 weights by
-    columns (row parallel, their bias whole); norms, embedding, head and experts replicated."""
-    if tp == 1 or ".experts." in name:
+def tp_shape(m: Model, name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """This tp rank's part of a parameter (the ViT: qkv and fc1 split by rows, proj and fc2
+    weights by columns; norms, embedding, head and experts replicated)."""
+    dim = tp_dims(m).get(name)
+    if tp == 1 or dim is None:
         return shape
-    if name.endswith(("attn.qkv.weight", "attn.qkv.bias", "mlp.fc1.weight", "mlp.fc1.bias")):
-        return (shape[0] // tp, *shape[1:])
-    if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
-        return (shape[0], shape[1] // tp)
-    return shape
+    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
 def rank_parameters(m: Model, lay: Layout, pp_rank: int = 0) -> list[tuple[str, tuple[int, ...]]]:
@@ -310,17 +328,16 @@ def rank_parameters(m: Model, lay: Layout, pp_rank: int = 0) -> list[tuple[str, 
     blocks, first, last = stage_blocks(m, lay, pp_rank)
     keep = []
     for name, shape in parameter_shapes(m):
-        part = name.split(".")[0]
-        if part == "blocks":
-            i = int(name.split(".")[1])
-            if i not in blocks:
+        part = part_of(m, name)
+        if isinstance(part, int):
+            if part not in blocks:
                 continue
             if ".experts." in name and int(name.split(".")[4]) // (m.num_experts // lay.ep) != 0:
                 continue  # expert parallel: rank i of an ep block holds experts i E/ep ... (i+1) E/ep - 1
                 # (rank 0 here; every rank holds as many)
-        elif part in ("patch_embed", "pos_embed") and not first or part in ("norm", "head") and not last:
+        elif part == "stem" and not first or part == "tail" and not last:
             continue
-        keep.append((name, tp_shape(name, shape, lay.tp)))
+        keep.append((name, tp_shape(m, name, shape, lay.tp)))
     return keep
 
 
@@ -398,7 +415,7 @@ def activation_bytes(m: Model, lay: Layout, pp_rank: int = 0, dtype: str = "floa
         out["input"] = low * b * m.c_in * m.pixels
     if low != E:  # autocast's low-precision copy of each weight a kept forward multiplies by
         out["weight copies"] = low * sum(math.prod(s) for name, s in rank_parameters(m, lay, pp_rank)
-                                         if _matmul_weight(name) and ckpt.get(_block_of(name), True))
+                                         if _matmul_weight(name) and ckpt.get(_block_of(m, name), True))
     out["total"] = sum(out.values())
     return out
 
@@ -407,8 +424,9 @@ def _matmul_weight(name: str) -> bool:
     return name.endswith("weight") and not name.split(".")[-2].startswith("norm")
 
 
-def _block_of(name: str) -> int | None:
-    return int(name.split(".")[1]) if name.startswith("blocks.") else None
+def _block_of(m: Model, name: str) -> int | None:
+    part = part_of(m, name)
+    return part if isinstance(part, int) else None
 
 
 def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0,
@@ -448,7 +466,7 @@ def memory(m: Model, lay: Layout, pp_rank: int = 0, dp_rank: int = 0,
                                 dtype=dtype)
         extra["recompute (one block)"] = (full["blocks"] // max(1, m.depth)) if blocks else 0
     if lay.sharded:
-        block = sum(math.prod(s) for n, s in shapes if n.startswith("blocks.0."))
+        block = sum(math.prod(s) for n, s in shapes if part_of(m, n) == 0)
         extra["fsdp buffers"] = E * 3 * block  # gathered weights (this and the next block), gradients
     first, last = stage_blocks(m, lay, pp_rank)[1:]
     low = 2 if dtype in ("bfloat16", "float16") else E  # the batch on the device: the fp32 input (when
@@ -479,7 +497,7 @@ def tensor_parallel_parts(m: Model, lay: Layout, shapes: list[tuple[str, tuple[i
         n_pad = tp * math.ceil(N / tp)
         tokens = b * n_pad * D
         head = low * b * n_pad * m.c_out * m.patch**2 if last else 0
-        whole = [s for name, s in shapes if tp_shape(name, s, 1) == tp_shape(name, s, tp)]
+        whole = [s for name, s in shapes if tp_shape(m, name, s, tp) == s]
         return [("all_gather", tp, L * (2 * E + 2 * (low + E)) * tokens + head, 6 * L + last, "tp"),
                 ("reduce_scatter", tp, L * 4 * low * tokens, 4 * L, "tp"),
                 ("all_reduce", tp, E * sum(math.prod(s) for s in whole), len(whole), "tp")]
@@ -501,8 +519,8 @@ def data_parallel_parts(m: Model, lay: Layout, shapes: list[tuple[str, tuple[int
         # norm, head) once: it is not resharded after forward. HSDP gathers within its group,
         # then all-reduces its gradient shard with the other groups
         g = lay.shard
-        block_elems = [padded([s for s in shapes if s[0].startswith(f"blocks.{i}.")], g) for i in blocks]
-        root = padded([s for s in shapes if not s[0].startswith("blocks.")], g)
+        block_elems = [padded([s for s in shapes if part_of(m, s[0]) == i], g) for i in blocks]
+        root = padded([s for s in shapes if not isinstance(part_of(m, s[0]), int)], g)
         # a pipeline stage gathers its blocks for each micro-batch's forward, then once for all
         # the backwards (torch's schedule keeps them gathered until the last)
         passes = lay.microbatches + 1 if lay.pp > 1 else 2

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from distributed.env import init_distributed, parse_env  # noqa: E402
 from distributed.mesh import build_mesh, requested_sizes  # noqa: E402
 from distributed.parallelize import parallelize  # noqa: E402
-from networks.vit import build_vit  # noqa: E402
+from networks.backbone import build  # noqa: E402
 from training.launcher import exit_now  # noqa: E402
 from training.reporting import memory_report  # noqa: E402
 from utils import device as dev  # noqa: E402
@@ -67,7 +67,7 @@ def main() -> None:
     init_distributed(env, device)
     mesh = build_mesh(requested_sizes(cfg.layout), cfg.parallel_order, device.type)
     torch.manual_seed(cfg.seed)
-    model = parallelize(build_vit(cfg.model), mesh, device, cfg.layout, cfg.memory, cfg.optim, cfg.seed)
+    model = parallelize(build(cfg.model), mesh, device, cfg.layout, cfg.memory, cfg.optim, cfg.seed)
     opt = torch.optim.Adam(model.parameters())
     x = torch.randn(args.local_batch_size, cfg.n_in_channels, *cfg.img_size, device=device)
     dev.reset_peak_memory(device)

@@ -27,7 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from ruamel.yaml import YAML  # noqa: E402
 
-from networks.vit import build_vit, count_parameters  # noqa: E402
+from networks.backbone import build, count_parameters  # noqa: E402
 from utils.config import FIELDS, Config  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     (name, values), = YAML(typ="safe", pure=True).load(config.read_text()).items()
     cfg = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in FIELDS})
     last = json.loads(metrics.read_text().splitlines()[-1])
-    return {"name": name, "run_dir": str(run_dir), "parameters": count_parameters(build_vit(cfg.model)),
+    return {"name": name, "run_dir": str(run_dir), "parameters": count_parameters(build(cfg.model)),
             "embed_dim": cfg.embed_dim, "depth": cfg.depth, "step": last["step"],
             "val_loss": last["val_loss"],
             "rmse": sum(last["rmse"].values()) / len(last["rmse"]),

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from networks.vit import build_vit  # noqa: E402
+from networks.backbone import build  # noqa: E402
 from utils import checkpoint as ckpt  # noqa: E402
 from utils.config import available_configs, load_config, with_overrides  # noqa: E402
 from utils.data_loader import ERA5Dataset  # noqa: E402
@@ -29,7 +29,7 @@ from utils.plots import target_vs_prediction  # noqa: E402
 def load_run(run_dir: Path, data_dir: str | None):
     names = available_configs(run_dir / "config.yaml")
     cfg = with_overrides(load_config(run_dir / "config.yaml", names[0]), data_dir=data_dir)
-    model = build_vit(cfg.model)
+    model = build(cfg.model)
     model.load_state_dict(ckpt.load(run_dir / ckpt.CHECKPOINT_NAME)["model"])
     return cfg, model.eval()
 

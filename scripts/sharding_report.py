@@ -110,7 +110,7 @@ def activation_bytes(cfg, local_batch: int, checkpointing: str) -> float:
 
 
 def fits_table(configs: list[str], yaml: str) -> list[str]:
-    from networks.vit import build_on_meta
+    from networks.backbone import build_on_meta
     from utils.config import load_config
 
     lines = ["| config | parameters | ranks | local batch | activation checkpointing | ddp GB | zero1 GB "
@@ -202,7 +202,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def driver(argv: list[str] | None = None) -> int:
-    from networks.vit import build_vit, count_parameters
+    from networks.backbone import build, count_parameters
     from utils.config import DEFAULT_YAML, load_config
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -221,7 +221,7 @@ def driver(argv: list[str] | None = None) -> int:
     p.add_argument("flags", nargs="*", help="more train.py flags after --, e.g. -- --data_dir DIR")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
-    params = count_parameters(build_vit(load_config(args.yaml_config, args.config).model))
+    params = count_parameters(build(load_config(args.yaml_config, args.config).model))
     rows = [measure(args, mode, n) for mode in args.modes for n in args.ranks
             if not (n == 1 and mode != "ddp")]
     acts = [measure(args, "ddp", 1, ac) for ac in args.checkpointing]

@@ -23,7 +23,7 @@ import torch
 from torch.func import functional_call
 
 from distributed.async_pipeline import StageEngine
-from distributed.pipeline import cut_stage, split_blocks
+from distributed.pipeline import split_blocks
 from networks.vit import build_vit
 from tests.conftest import make_cfg
 from tests.ddp_helpers import metrics, run, train_args, write_test_yaml
@@ -66,7 +66,7 @@ class QueueLinks:
 def stages_of(model, n_stages: int) -> list:
     """The serial model cut as distributed/pipeline.py cuts it, each stage a copy."""
     ranges = split_blocks(len(model.blocks), n_stages)
-    return [cut_stage(copy.deepcopy(model), r, s == 0, s == n_stages - 1) for s, r in enumerate(ranges)]
+    return [copy.deepcopy(model).cut(r, s == 0, s == n_stages - 1) for s, r in enumerate(ranges)]
 
 
 def sgd_update(module):
@@ -90,7 +90,7 @@ def simulate(model, n_stages: int, mode: str, m: int, batches, drains=()) -> lis
             for e in reversed(engines):  # the last stage first: each drain's gradients come from the next
                 e.drain()
         for e in engines:
-            e.begin_step((inp.shape[0] // m, model.num_tokens, model.pos_embed.shape[-1]))
+            e.begin_step((inp.shape[0] // m, *model.unit_shape))
         for j, (x, y) in enumerate(zip(inp.chunk(m), tar.chunk(m))):
             for e in engines:
                 e.micro_batch(x if e.first else None, y if e.last else None, j, m)
@@ -157,7 +157,7 @@ def test_a_stashed_backward_is_autograd_at_the_weights_its_forward_used(vit_and_
 
         engine = StageEngine(stage, 0, 2, mode, 1, relative_l2_loss, links, update)
         for x in inputs:
-            engine.step([x], [None], (6, model.num_tokens, model.pos_embed.shape[-1]))
+            engine.step([x], [None], (6, *model.unit_shape))
         assert engine.version == 2 and engine.most_versions == (2 if mode == "stash" else 1)
         return stage, versions, grads
 

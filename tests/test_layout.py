@@ -54,7 +54,7 @@ def test_imports_only_go_down(layer):
 
 
 def test_the_serial_model_knows_nothing_of_parallelism():
-    for name in ("vit.py", "moe.py"):
+    for name in ("backbone.py", "vit.py", "moe.py"):
         assert project_imports(REPO / "networks" / name) <= {"utils", "networks"}, name
 
 
@@ -145,6 +145,55 @@ def test_a_trainer_write_is_found():
               "t.loss.fill_(0)\n")
     assert trainer_writes(source) == ["line 1: t.model", "line 2: trainer.step",
                                       "line 3: self.trainer.scheduler", "line 4: trainer.?"]
+
+
+VIT_LAYERS = {"blocks", "attn", "mlp", "fc1", "fc2", "patch_embed", "pos_embed", "head"}
+VIT_CODE = {"ViT", "build_vit"}
+# a path through one of them: "blocks.0.", "head.weight"
+VIT_PATH = re.compile(r"(?:^|\.)(" + "|".join(sorted(VIT_LAYERS)) + r")(?:\.|$)")
+STILL_THE_VITS = {  # files outside networks/ written for the ViT, each with the reason
+    "scripts/cost_model.py": "its FLOP, activation and collective formulas are the ViT's (docs/11)",
+    "scripts/compile_bf16_check.py": "checks a CPU for a fault of torch.compile on the ViT's block (docs/02)",
+}
+
+
+def vit_names(source: str) -> list[str]:
+    """Where ``source`` names the ViT: an attribute that is one of its layers (``m.blocks``), its
+    class or build function, an import from networks/vit.py, or a string that is a parameter or
+    module path through one of its layers ("blocks.0.", "head.weight"): each as 'line N: name'."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        name = None
+        if isinstance(node, ast.Attribute) and node.attr in VIT_LAYERS | VIT_CODE:
+            name = node.attr
+        elif isinstance(node, ast.Name) and node.id in VIT_CODE:
+            name = node.id
+        elif isinstance(node, ast.alias) and node.name in VIT_CODE:
+            name = node.name
+        elif isinstance(node, ast.ImportFrom) and node.module == "networks.vit":
+            name = "networks.vit"
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and not re.search(r"\s", node.value) and VIT_PATH.search(node.value):
+            name = repr(node.value)
+        if name:
+            found.append((node.lineno, name))
+    return [f"line {n}: {name}" for n, name in sorted(found)]
+
+
+def test_only_networks_name_the_vits_layers():
+    """Every layout reads the model through networks/backbone.py (its units, stem, tail and
+    tensor-parallel plan), so that another backbone goes through all of them unchanged."""
+    found = [f"{path.relative_to(REPO)} {w}" for path in tracked_python_files()
+             if path.parts[len(REPO.parts)] not in ("networks", "tests")
+             and str(path.relative_to(REPO)) not in STILL_THE_VITS for w in vit_names(path.read_text())]
+    assert not found, found
+
+
+def test_a_vit_name_is_found():
+    source = ("for b in model.blocks.values():\n    b.attn = x\nfrom networks.vit import ViT\n"
+              "m = build_vit(cfg)\nn = 'head.weight'\nlog.info('the blocks.')\nunits = model.units()\n")
+    assert vit_names(source) == ["line 1: blocks", "line 2: attn", "line 3: ViT", "line 3: networks.vit",
+                                 "line 4: build_vit", "line 5: 'head.weight'"]
 
 
 def test_tracked_files_leave_out_virtual_environments():

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from networks.vit import ViT, build_vit, count_parameters
+from networks.backbone import count_parameters
+from networks.vit import ViT, build_vit
 from utils.config import DEFAULT_YAML, load_config
 from utils.metrics import latitude_weights, relative_l2_loss, weighted_rmse_per_sample
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed.pipeline import cut_stage, describe_split, rank_stages, split_blocks
-from networks.vit import build_vit
+from distributed.pipeline import describe_split, rank_stages, split_blocks
+from networks.vit import ViT, build_vit
 from tests.conftest import make_cfg
 from tests.ddp_helpers import metrics, run, run_dir, train_args, write_test_yaml
 from tests.test_sharded import assert_same_losses, flags_to_args, ok
@@ -62,12 +62,12 @@ def test_a_stage_keeps_its_parts_under_the_serial_names(cfg_factory):
     names = [n for n, _ in build_vit(cfg.model).named_parameters()]
     kept = []
     for s, blocks in enumerate(split_blocks(4, 3)):
-        stage = cut_stage(build_vit(cfg.model), blocks, s == 0, s == 2)
+        stage = build_vit(cfg.model).cut(blocks, s == 0, s == 2)
         own = [n for n, _ in stage.named_parameters()]
         assert ("pos_embed" in own) == (s == 0) and ("head.weight" in own) == (s == 2)
         kept += own
     assert sorted(kept) == sorted(names)  # every parameter in exactly one stage, names unchanged
-    assert describe_split(split_blocks(4, 2), 2) == (
+    assert describe_split(split_blocks(4, 2), 2, ViT.LABELS) == (
         "stage 0 (rank 0 of the pipeline): embedding + blocks 0-1; "
         "stage 1 (rank 1 of the pipeline): blocks 2-3 + head")
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from networks.vit import build_vit, count_parameters
+from networks.backbone import count_parameters
+from networks.vit import build_vit
 from scripts import plot_model_sizes
 from training.launcher import write_resolved_config
 

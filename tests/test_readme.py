@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.code_ranges import CODE_RANGE, span
+from scripts.code_ranges import CODE_RANGE, refresh, span
 from scripts.page_figures import FIGURES, Figure
 from scripts.page_figures import check as figure_check
 from scripts.page_stats import Command, readme_commands
@@ -538,6 +538,12 @@ def test_links_and_images_resolve(page):
             if anchor not in headings:
                 problems.append(f"{target}: no heading with that anchor")
     assert not problems, f"{page.name}:\n" + "\n".join(problems)
+
+
+def test_a_range_that_moved_is_rewritten_across_a_line_break():
+    start, end = span(REPO / "distributed" / "parallelize.py", ["materialize"])
+    text, moved = refresh("`distributed/parallelize.py` lines\n  1-2 (`materialize`): built")
+    assert text == f"`distributed/parallelize.py` lines\n  {start}-{end} (`materialize`): built" and moved
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

@@ -8,7 +8,6 @@ import torch
 from networks.vit import ViT, blocks_to_head_major, split_qkv
 from training.context import RunContext
 from training.trainer import Trainer
-from training.upgrade import has_separate_qkv
 from utils import checkpoint as ckpt
 
 HEADS = 4
@@ -74,7 +73,7 @@ def test_a_checkpoint_with_separate_qkv_resumes_exactly(cfg_factory, tmp_path):
     first = Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path / "a"), 4)
     first.fit()
     old = old_layout(ckpt.load(first.checkpoint_path))
-    assert has_separate_qkv(old["model"])
+    assert ViT.upgrade_state_dict(old["model"], cfg.model) is not None
     ckpt.save_atomic(old, tmp_path / "b" / ckpt.CHECKPOINT_NAME)
     second = Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path / "b"), 4)
     second.load_checkpoint(second.checkpoint_path)

@@ -53,7 +53,7 @@ from torch.nn.utils import parameters_to_vector
 
 from distributed import param_server
 from distributed.env import all_reduce_sum, heartbeat, init_distributed, parse_env
-from networks.vit import ViT, build_vit
+from networks.backbone import Backbone, build
 from training import async_checkpoint as saves
 from training.async_args import check, parser, run_dir_of
 from training.launcher import exit_now, resolve_config, setup_logging
@@ -70,9 +70,9 @@ CPU = torch.device("cpu")
 
 
 # ------------------------------------------------------------ what every mode shares ---
-def build_model(cfg: Config) -> ViT:
-    """The serial ViT with the weights every run of the course starts from."""
-    model = build_vit(cfg.model)
+def build_model(cfg: Config) -> Backbone:
+    """The serial model with the weights every run of the course starts from."""
+    model = build(cfg.model)
     model.reset_parameters(torch.Generator().manual_seed(cfg.seed))
     return model
 
@@ -134,7 +134,7 @@ def set_flat(params: list[torch.nn.Parameter], flat: torch.Tensor, grad: bool = 
 
 
 # ------------------------------------------------------------ Hogwild, with or without a lock ---
-def hogwild_worker(cfg: Config, model: ViT, rank: int, workers: int, lock: Any, count: Any, results: Any,
+def hogwild_worker(cfg: Config, model: Backbone, rank: int, workers: int, lock: Any, count: Any, results: Any,
                    ready: Any, pause: saves.HogwildPause, begin: tuple[dict | None, int],
                    slow_s: float) -> None:
     """One process of a Hogwild run: its own optimizer on the shared weights, its own shard. The
@@ -223,7 +223,7 @@ def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
     return 0
 
 
-def hogwild_checkpoint(cfg: Config, run_dir: Path, model: ViT, pause: saves.HogwildPause,
+def hogwild_checkpoint(cfg: Config, run_dir: Path, model: Backbone, pause: saves.HogwildPause,
                        states: dict[int, dict], done: list[dict[str, Any]]) -> None:
     """Every worker waits with its optimizer's state sent (each sent its updates before it):
     copy the weights, let the workers go on, write the checkpoint."""
@@ -348,7 +348,7 @@ def run_server(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
 
 
 # ------------------------------------------------------------ replay, fixed staleness ---
-def replay(cfg: Config, log_: list[tuple[int, int]], trainers: int) -> tuple[ViT, list[float]]:
+def replay(cfg: Config, log_: list[tuple[int, int]], trainers: int) -> tuple[Backbone, list[float]]:
     """A server's run in one process, from its log: for each (trainer, version) in the order the
     server applied them, trainer's next batch's gradient at the weights of that version, applied
     to the newest weights. Trainer r (1 .. ``trainers``) reads data shard r - 1, as in the run.

@@ -41,7 +41,7 @@ from torch import nn
 
 from distributed import consolidate
 from distributed.parallelize import apply_activation_checkpointing, materialize, serial_values
-from networks.vit import build_on_meta
+from networks.backbone import build_on_meta
 from training.context import RunContext
 from training.state import ModelState
 from training.trainer import EagerStep, Trainer
@@ -248,8 +248,8 @@ class DeepSpeedStep(EagerStep):
         values = serial_values(serial, t.cfg.seed)
         model = apply_activation_checkpointing(serial, t.cfg.activation_checkpointing)
         if t.cfg.enable_jit:
-            for block in model.blocks.values():
-                block.compile()
+            for unit in model.units().values():
+                unit.compile()
         return materialize(model, t.ctx.mesh, t.device, values)
 
     def build_optimizer(self) -> torch.optim.Optimizer:

@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed.env import all_reduce_max
 from distributed.tags import unwrap
+from networks.backbone import backbone_class
 from training import checkpointing
 from training.state import ModelState
 from training.trainer import EagerStep
@@ -112,14 +113,11 @@ def freeze_order(cfg: Config) -> list[int]:
     return torch.randperm(cfg.depth, generator=torch.Generator().manual_seed(cfg.seed)).tolist()
 
 
-def frozen_parameter(name: str, blocks: Sequence[int]) -> bool:
-    """Whether the parameter ``name`` (a serial name) is frozen when ``blocks`` are: those
-    blocks' parameters, and the embedding's with the first of them."""
-    if not blocks:
-        return False
-    if name.startswith(("patch_embed.", "pos_embed")):
-        return True
-    return name.startswith("blocks.") and int(name.split(".")[1]) in blocks
+def frozen_parameter(part: str | int, blocks: Sequence[int]) -> bool:
+    """Whether a parameter of ``part`` (``Backbone.part_of`` its serial name: "stem", a block's
+    index, "tail") is frozen when ``blocks`` are: those blocks' parameters, and the stem's (the
+    embedding's) with the first of them."""
+    return bool(blocks) and (part == "stem" or part in blocks)
 
 
 def leave_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> None:
@@ -138,7 +136,7 @@ def run_blocks(vit: nn.Module, x: torch.Tensor, start: int, stop: int) -> torch.
     if start == 0:
         x = vit.embed(x)
     for i in range(start, stop):
-        x = vit.blocks[str(i)](x)
+        x = vit.units()[str(i)](x)
     return x
 
 
@@ -294,9 +292,9 @@ class Freezing:
         if count <= self.frozen:
             return
         t = self.trainer
-        blocks = self.frozen_blocks(count)
+        blocks, part_of = self.frozen_blocks(count), backbone_class(t.cfg.model).part_of
         newly = [p for name, p in t.raw_model.named_parameters()
-                 if p.requires_grad and frozen_parameter(name, blocks)]
+                 if p.requires_grad and frozen_parameter(part_of(name), blocks)]
         for p in newly:
             p.requires_grad_(False)
             p.grad = None
@@ -346,9 +344,10 @@ class Freezing:
         """Per block, the L1 norm of its gradients this step (the blocks this rank holds)."""
         t = self.trainer
         norms = torch.zeros(t.cfg.depth, device=t.device)
+        part_of = backbone_class(t.cfg.model).part_of
         for name, p in unwrap(t.model).named_parameters():  # DDP's names start with "module."
-            if p.grad is not None and name.startswith("blocks."):
-                norms[int(name.split(".")[1])] += p.grad.detach().abs().sum().float()
+            if p.grad is not None and isinstance(block := part_of(name), int):
+                norms[block] += p.grad.detach().abs().sum().float()
         return norms
 
     # ------------------------------------------------------------ checkpoint ---
@@ -425,7 +424,7 @@ class FreezingStep(Freezing, EagerStep):
             return super().forward_loss(inp, tar)
         t = self.trainer
         with self.compute(cache_enabled=self.autocast_cache):
-            pred = t.model(inp, first_block=self.frozen)  # inp: the frozen prefix's output tokens
+            pred = t.model(inp, first_unit=self.frozen)  # inp: the frozen prefix's output tokens
         return t.loss_fn(pred.float(), tar)
 
     def leave_gradient_sync(self) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from distributed import consolidate, pipeline
 from distributed.parallelize import parallelize, serial_values
-from networks.vit import build_on_meta
+from networks.backbone import build_on_meta
 from training.state import ModelState
 from training.trainer import EagerStep
 from utils import device as dev

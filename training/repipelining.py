@@ -20,7 +20,7 @@ import torch
 
 from distributed.env import all_reduce_sum
 from distributed.pipeline import Pipeline, balanced_split
-from networks.vit import build_on_meta
+from networks.backbone import build_on_meta
 from training.context import RunContext
 from training.freezing import Freezing, saved_freezing
 from training.pipelined import PipelineState, PipelineStep
@@ -30,21 +30,19 @@ FROZEN_COST = 1 / 6  # AutoPipe: a frozen layer costs a sixth of an active one
 
 
 def unit_parameters(cfg: Config) -> tuple[int, int, int]:
-    """Parameters of the embedding (patch and position), of one block, of the head (with the
-    final norm), counted on a model with shapes only."""
-    vit, _ = build_on_meta(cfg.model)
-    count = lambda module: sum(p.numel() for p in module.parameters())
-    return (count(vit.patch_embed) + vit.pos_embed.numel(), count(vit.blocks["0"]),
-            count(vit.norm) + count(vit.head))
+    """Parameters of the stem (the ViT's patch and position embedding), of one unit (a block), of
+    the tail (the final norm and head), counted on a model with shapes only."""
+    sizes = build_on_meta(cfg.model)[0].part_sizes()
+    return sizes["stem"], sizes[0], sizes["tail"]
 
 
 def stage_items(cfg: Config, frozen: int) -> list[float]:
     """The cost of each active block, the first carrying the frozen prefix (or, with nothing
     frozen, the embedding) and the last the head: what :func:`balanced_split` cuts."""
-    embedding, block, head = unit_parameters(cfg)
+    embedding, block, tail = unit_parameters(cfg)
     items = [float(block)] * (cfg.depth - frozen)
     items[0] += (embedding + frozen * block) * FROZEN_COST if frozen else embedding
-    items[-1] += head
+    items[-1] += tail
     return items
 
 

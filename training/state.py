@@ -115,10 +115,9 @@ class ModelState:
         return {"model": self.model_state(), "optimizer": self.optimizer_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if any(name.endswith(".attn.q.weight") for name in state["model"]):  # separate q, k, v
-            from training.upgrade import upgrade_checkpoint  # older checkpoints' layout
+        from training.upgrade import upgrade_checkpoint  # an older checkpoint's layout: the current one
 
-            state = upgrade_checkpoint(state, self.trainer.cfg.num_heads)
+        state = upgrade_checkpoint(state, self.trainer.cfg.model)
         self.load_model_state(state["model"])
         checkpointing.keep_kernel_flags(self.trainer.optimizer,
                                         lambda: self.load_optimizer_state(state["optimizer"]))

@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed.env import all_reduce_max, all_reduce_sum, heartbeat
 from distributed.stop import StopAgreement
-from networks.vit import build_on_meta, count_parameters
+from networks.backbone import build_on_meta, count_parameters
 from training import checkpointing, reporting, validation
 from training.context import Callback, RunContext, TrainingError, check_micro_batches, needs_parallelize
 from training.schedule import make_lr_lambda, optimizer_choice

@@ -1,8 +1,9 @@
-"""Checkpoints of earlier versions of the model, brought to the current layout at load.
+"""Checkpoints of earlier versions of a model, brought to the current layout at load.
 
-Earlier versions had three q, k, v projections per attention layer; the model now has one
-head-major ``qkv`` projection (networks/vit.py). The weights and Adam's moments are merged
-the same way, so such a checkpoint resumes exactly.
+The model converts its own weights (``Backbone.upgrade_state_dict``: the ViT merges the three
+q, k, v projections of its earlier versions into one head-major ``qkv``, networks/vit.py); here
+Adam's moments are converted the same way, and its per-parameter scalars (the step count) too,
+so such a checkpoint resumes exactly.
 """
 
 from __future__ import annotations
@@ -12,37 +13,33 @@ from typing import Any
 
 import torch
 
-from networks.vit import upgrade_state_dict
+from networks.backbone import backbone_class
 
 log = logging.getLogger(__name__)
 
 
-def has_separate_qkv(model_state: dict[str, torch.Tensor]) -> bool:
-    return any(name.endswith(".attn.q.weight") for name in model_state)
-
-
-def upgrade_checkpoint(state: dict[str, Any], num_heads: int) -> dict[str, Any]:
-    """The checkpoint with q/k/v merged in the model and the optimizer state (one param group,
-    its parameters in the model's order, as Trainer saves them)."""
-    if not has_separate_qkv(state["model"]):
+def upgrade_checkpoint(state: dict[str, Any], cfg: Any) -> dict[str, Any]:
+    """The checkpoint in the current layout of the model group ``cfg``'s backbone (its model and
+    optimizer state: one param group, its parameters in the model's order, as Trainer saves them);
+    ``state`` itself when it is current."""
+    cls = backbone_class(cfg)
+    model = cls.upgrade_state_dict(state["model"], cfg)
+    if model is None:
         return state
     old_names = list(state["model"])
-    model = upgrade_state_dict(state["model"], num_heads)
     optimizer = dict(state["optimizer"])
     per_param = {old_names[i]: s for i, s in optimizer["state"].items()}
     merged: dict[str, dict[str, Any]] = {}
     for key in {k for s in per_param.values() for k in s}:
-        moments = {n: s[key] for n, s in per_param.items() if torch.is_tensor(s[key]) and s[key].dim() > 0}
-        merged_moments = upgrade_state_dict(moments, num_heads)
-        for name in model:
-            entry = merged.setdefault(name, {})
-            if name in merged_moments:
-                entry[key] = merged_moments[name]
-            else:  # a scalar (Adam's step), equal for q, k and v
-                source = name.replace(".qkv.", ".q.")
-                if source in per_param:
-                    entry[key] = per_param[source][key]
+        values = {n: s[key] for n, s in per_param.items() if key in s}
+        # a scalar (Adam's step) is spread to its parameter's shape, so that the model's own
+        # upgrade merges it as it merges the weights; it is read back from the merged tensor
+        scalar = not any(torch.is_tensor(v) and v.dim() > 0 for v in values.values())
+        if scalar:
+            values = {n: torch.as_tensor(v).expand(state["model"][n].shape) for n, v in values.items()}
+        for name, t in (cls.upgrade_state_dict(values, cfg) or values).items():
+            merged.setdefault(name, {})[key] = t.reshape(-1)[0].clone() if scalar else t
     optimizer["state"] = {i: merged[name] for i, name in enumerate(model) if merged.get(name)}
     optimizer["param_groups"] = [dict(optimizer["param_groups"][0], params=list(range(len(model))))]
-    log.info("converted a checkpoint with separate q, k, v projections to the fused qkv layout")
+    log.info("converted a checkpoint of an earlier %s layout to the current one", cls.__name__)
     return dict(state, model=model, optimizer=optimizer)
