@@ -76,6 +76,9 @@ def apply_model_parallel(model: Backbone, mesh: ParallelMesh, sequence_parallel:
         raise ValueError(f"{type(model).__name__} has no tokens to split or no attention to gather them "
                          f"(networks/backbone.py: num_tokens, tp_plan); use --context_parallel 1")
     sp = sequence_parallel and mesh.size("tp") > 1
+    if sp and not model.num_tokens:
+        raise ValueError(f"{type(model).__name__} has no tokens to split (networks/backbone.py: num_tokens); "
+                         f"leave out --sequence_parallel")
     sizes = sequence_sizes(model.num_tokens, mesh)
     tp_sizes = tp_sequence_sizes(model.num_tokens, mesh) if sp else None
     for path, style in plan.items():

@@ -34,6 +34,7 @@ adds one line to ``BACKBONES``.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BACKBONES = {"vit": "networks.vit:ViT"}  # the config key ``backbone`` -> its class
+BACKBONES = {"vit": "networks.vit:ViT", "afno": "networks.afno:AFNO"}  # config key ``backbone`` -> class
 
 
 class AttentionCore(nn.Module):
@@ -170,6 +171,24 @@ class Backbone(nn.Module):
             part = self.part_of(name)
             sizes[part] = sizes.get(part, 0) + p.numel()
         return sizes
+
+
+def layer_values(name: str, m: nn.Module, generator: torch.Generator | None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The initial values of one module's own parameters, the course's choice for every backbone:
+    linear weights truncated normal with std 0.02, convolutions with 1 / sqrt(fan in), biases 0,
+    layer norms 1 and 0. ``name``: the module's path (its parameters are yielded under it)."""
+    prefix = f"{name}." if name else ""
+    normal = lambda shape, std: nn.init.trunc_normal_(torch.empty(shape), std=std, generator=generator)
+    if isinstance(m, nn.Linear):
+        yield f"{prefix}weight", normal(m.weight.shape, 0.02)
+    elif isinstance(m, nn.LayerNorm):
+        yield f"{prefix}weight", torch.ones(m.weight.shape)
+    elif isinstance(m, nn.Conv2d):
+        std = 1.0 / math.sqrt(m.in_channels * math.prod(m.kernel_size))  # 1 / sqrt(fan_in)
+        yield f"{prefix}weight", normal(m.weight.shape, std)
+    if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Conv2d)) and m.bias is not None:
+        yield f"{prefix}bias", torch.zeros(m.bias.shape)  # (a mixture of experts' router has none)
 
 
 def backbone_class(cfg: Any) -> type[Backbone]:

@@ -6,14 +6,13 @@ width D = embed_dim -> transformer blocks -> (B, N, C_out * p * p) -> (B, C_out,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from networks.backbone import AttentionCore, Backbone
+from networks.backbone import AttentionCore, Backbone, layer_values
 from utils.config_groups import ModelConfig
 
 
@@ -191,33 +190,17 @@ class ViT(Backbone):
         yield "pos_embed", nn.init.trunc_normal_(torch.empty(self.pos_embed.shape), std=0.02,
                                                   generator=generator)
         for mod_name, m in self.named_modules():
-            prefix = f"{mod_name}." if mod_name else ""
-            if isinstance(m, nn.Linear):
-                w = nn.init.trunc_normal_(torch.empty(m.weight.shape), std=0.02, generator=generator)
-                if mod_name.endswith("attn.qkv"):
+            for name, value in layer_values(mod_name, m, generator):
+                if mod_name.endswith("attn.qkv") and name.endswith("weight"):
                     # q/k/v weights are drawn as [q; k; v] blocks, as the three separate projections
                     # of the tutorial's original model were (so the same seed gives the same
                     # model), and stored head-major
-                    w = blocks_to_head_major(w, self.get_submodule(mod_name.removesuffix(".qkv")).num_heads)
-                yield f"{prefix}weight", w
-                if m.bias is not None:  # (a mixture of experts' router has none)
-                    yield f"{prefix}bias", torch.zeros(m.bias.shape)
-            elif isinstance(m, nn.LayerNorm):
-                yield f"{prefix}weight", torch.ones(m.weight.shape)
-                yield f"{prefix}bias", torch.zeros(m.bias.shape)
-            elif isinstance(m, nn.Conv2d):
-                std = 1.0 / math.sqrt(m.in_channels * math.prod(m.kernel_size))  # 1 / sqrt(fan_in)
-                yield f"{prefix}weight", nn.init.trunc_normal_(torch.empty(m.weight.shape), std=std,
-                                                               generator=generator)
-                yield f"{prefix}bias", torch.zeros(m.bias.shape)
+                    heads = self.get_submodule(mod_name.removesuffix(".qkv")).num_heads
+                    value = blocks_to_head_major(value, heads)
+                yield name, value
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
-        # (B, N, C * p * p) -> (B, C, H, W), token order row-major over the patch grid
-        b = x.shape[0]
-        gh, gw = self.grid
-        p, c = self.patch_size, self.out_channels
-        x = x.reshape(b, gh, gw, c, p, p).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, c, gh * p, gw * p)
+        return unpatchify(x, self.grid, self.patch_size, self.out_channels)
 
     def stem(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B, N, D)."""
@@ -232,6 +215,13 @@ class ViT(Backbone):
 
     def assemble(self, y: torch.Tensor) -> torch.Tensor:
         return self.unpatchify(y)  # every token again: (B, N, C * p * p) -> (B, C, H, W)
+
+
+def unpatchify(x: torch.Tensor, grid: tuple[int, int], patch: int, channels: int) -> torch.Tensor:
+    """(B, N, C * p * p) -> (B, C, H, W), token order row-major over the patch grid."""
+    b, (gh, gw) = x.shape[0], grid
+    x = x.reshape(b, gh, gw, channels, patch, patch).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, channels, gh * patch, gw * patch)
 
 
 def build_vit(cfg: ModelConfig) -> ViT:

@@ -102,9 +102,10 @@ def _type_name(hint: Any) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig(Group):
-    """The serial model (networks/vit.py, networks/moe.py)."""
+    """The serial model (networks/backbone.py: the ViT, networks/vit.py and networks/moe.py, or AFNO)."""
 
     title: ClassVar[str] = "model"
+    backbone: str = key("vit", "the model: vit (networks/vit.py) or afno (FourCastNet's, networks/afno.py)")
     img_size: tuple[int, int] = key((360, 720), "grid height and width (the data is cropped to it)")
     patch_size: int = key(8, "side of the square patches that become tokens")
     embed_dim: int = key(384, "token width")
