@@ -68,6 +68,9 @@ class Model:
 
     @classmethod
     def from_config(cls, cfg: Any) -> Model:
+        if cfg.backbone != "vit":
+            raise ValueError(f"the cost model's formulas are the ViT's (docs/11-cost-model.md); it has "
+                             f"none for backbone {cfg.backbone}")
         return cls(tuple(cfg.img_size), cfg.patch_size, cfg.n_in_channels, cfg.n_out_channels, cfg.embed_dim,
                    cfg.depth, cfg.num_heads, cfg.mlp_ratio, cfg.num_experts, cfg.moe_top_k, cfg.moe_every)
 
@@ -1116,9 +1119,9 @@ def main(argv: list[str] | None = None) -> int:
     args = arg_parser().parse_args(argv)
     try:
         cfg = resolve_config(args)
+        m = Model.from_config(cfg)
     except (KeyError, ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
-    m = Model.from_config(cfg)
     args.global_batch_size = cfg.global_batch_size
     if args.calibrate:
         return calibrate_command(args)

@@ -44,6 +44,11 @@ def test_parameter_shapes_are_the_models(overrides):
     assert cm.parameter_shapes(cm.Model.from_config(cfg)) == real
 
 
+def test_another_backbone_is_refused_in_one_line():
+    with pytest.raises(SystemExit, match="the cost model's formulas are the ViT's .* none for backbone afno"):
+        cm.main(["--config", "tiny_afno"])
+
+
 @pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 def test_flops_and_activations_of_the_serial_model(checkpointing):
     """FlopCounterMode (attention by the math kernel, whose matmuls it sees) and the saved tensors
