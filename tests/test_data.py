@@ -267,3 +267,30 @@ def test_the_tests_make_their_data_with_the_library():
             if isinstance(node, ast.ImportFrom):
                 names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
                 assert not any(n.endswith("make_synthetic_era5") for n in names), path.name
+
+
+def test_a_data_set_of_another_grid_and_channel_count_trains(tmp_path):
+    """A learner's own fields in the course's format (``write_data_set``): 3 named channels on a
+    16 x 32 grid, a pattern moving east one column a step (a forecast to learn). The Trainer
+    learns it (the validation loss falls) and validation reports the channels by their names."""
+    import json
+
+    from tests.conftest import make_cfg
+    from training.context import RunContext
+    from training.trainer import Trainer
+    from utils.era5 import channel_names, write_data_set
+
+    pattern = np.random.default_rng(0).standard_normal((3, 16, 32)).astype(np.float32) + 2.0
+    year = lambda start, steps: np.stack([np.roll(pattern, start + t, axis=-1) for t in range(steps)])
+    splits = {"train": {"2000": year(0, 32)}, "valid": {"2001": year(32, 8)}, "test": {"2002": year(40, 4)}}
+    write_data_set(tmp_path / "data", splits, ("p", "q", "r"))
+    assert channel_names(tmp_path / "data", 3) == ("p", "q", "r")
+    cfg = make_cfg(tmp_path / "data", tmp_path / "logs", img_size=(16, 32), n_in_channels=3, n_out_channels=3,
+                   num_iters=28, lr=3e-3)
+    trainer = Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path / "run"), 4)
+    trainer.fit()
+    epochs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(epochs) == 4 and all(list(e["rmse"]) == ["p", "q", "r"] for e in epochs)  # 7 steps each
+    assert epochs[-1]["val_loss"] < 0.9 * epochs[0]["val_loss"], [e["val_loss"] for e in epochs]
+    with pytest.raises(DataError, match=r"fields of shape \(4, 2, 16, 32\), expected \(T, 3, H, W\)"):
+        write_data_set(tmp_path / "bad", {"train": {"2000": year(0, 4)[:, :2]}}, ("p", "q", "r"))

@@ -100,7 +100,7 @@ def test_the_prediction_image_shows_target_prediction_and_error():
     target[c] = torch.arange(24.0).view(4, 6)
     pred = target.clone()
     pred[c, 0, 0] += 5.0  # one wrong value
-    img = prediction_image(pred, target, "t2m")
+    img = prediction_image(pred, target, c)
     assert img.shape == (3, 4, 3 * 6 + 2) and img.min() >= 0 and img.max() <= 1
     field, error = img[:, :, :6], img[:, :, 14:]
     assert (img[:, :, 6] == 1).all() and (img[:, :, 13] == 1).all()  # white gaps

@@ -40,6 +40,7 @@ from training.run_dir import check_same_run, previous_run
 from utils import checkpoint as ckpt
 from utils.config import Config
 from utils.data_loader import get_data_loader
+from utils.era5 import channel_names
 from utils.metrics import latitude_weights
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,8 @@ def finish(cfg: Config, args: argparse.Namespace, run_dir: Path, model: torch.nn
     loader, _, _ = get_data_loader(cfg, "valid", cfg.global_batch_size, False)
     model.eval()
     weights = latitude_weights(cfg.img_size[0], torch.device("cpu"))
-    val = validation.evaluate(model, iter(loader), cfg.n_out_channels, weights)
+    channels = channel_names(cfg.data_dir, cfg.n_in_channels)[: cfg.n_out_channels]
+    val = validation.evaluate(model, iter(loader), channels, weights)
     rows = records(updates, samples_per_update, args.log_every)
     by_worker: dict[str, int] = {}
     for u in updates:

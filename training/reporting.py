@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # imported where a writer is opened (rank 0 only): 0.15 s of 
 
 log = logging.getLogger(__name__)
 
-LOGGED_CHANNELS = ("u10m", "t2m")  # RMSE of these goes to TensorBoard
+LOGGED_CHANNELS = ("u10m", "t2m")  # RMSE of these goes to TensorBoard (of another data set: its first)
+SHOWN_CHANNEL = "t2m"  # the channel of the prediction image (of another data set: its first)
 MIB = 2**20
 # colour stops (RGB in [0, 1]) of matplotlib's viridis, for fields, and of RdBu reversed, for errors
 FIELD_STOPS = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]]) / 255
@@ -41,14 +42,11 @@ def colour(x: np.ndarray, lo: float, hi: float, stops: np.ndarray) -> np.ndarray
     return stops[i] * (1 - f) + stops[i + 1] * f
 
 
-def prediction_image(pred: torch.Tensor, target: torch.Tensor, channel: str = "t2m") -> np.ndarray:
-    """One channel's target | prediction | prediction - target, side by side with a white gap, as a
+def prediction_image(pred: torch.Tensor, target: torch.Tensor, c: int) -> np.ndarray:
+    """Channel ``c``'s target | prediction | prediction - target, side by side with a white gap, as a
     (3, H, 3 W + 2) image in [0, 1] for TensorBoard: the fields on one scale, the error on a
     diverging scale centred on 0. Drawn with numpy, not matplotlib, whose import and figure cost
     about 0.8 s of every run's start; scripts/plot_prediction.py draws the labelled figure."""
-    from utils.era5 import CHANNELS
-
-    c = CHANNELS.index(channel)
     t, p = target[c].float().numpy(), pred[c].float().numpy()
     lo, hi = min(t.min(), p.min()), max(t.max(), p.max())
     err = float(np.abs(p - t).max())
@@ -75,7 +73,8 @@ def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int
         return
     writer.add_scalar("Loss/train", train_loss, step)
     writer.add_scalar("Loss/valid", val["loss"], step)
-    for ch in LOGGED_CHANNELS:
+    names = list(val["rmse"])
+    for ch in [c for c in LOGGED_CHANNELS if c in names] or names[:1]:
         if ch in val["rmse"]:
             writer.add_scalar(f"RMSE({ch})/valid", val["rmse"][ch], step)
             writer.add_scalar(f"RMSE({ch})/persistence", val["persistence"][ch], step)
@@ -86,8 +85,9 @@ def log_epoch(writer: SummaryWriter | None, run_dir: Path, epoch: int, step: int
     writer.add_scalar("Avg samples per sec", rate, step)
     if "grad_comm_bytes_per_step" in (extra or {}):
         writer.add_scalar("Communication/gradient MB per step", extra["grad_comm_bytes_per_step"] / 1e6, step)
-    if val["example"] is not None and "t2m" in val["rmse"]:
-        writer.add_image("Predictions/t2m", prediction_image(*val["example"], "t2m"), step)
+    shown = SHOWN_CHANNEL if SHOWN_CHANNEL in names else names[0]
+    if val["example"] is not None:
+        writer.add_image(f"Predictions/{shown}", prediction_image(*val["example"], names.index(shown)), step)
     writer.flush()
     record = {"epoch": epoch + 1, "step": step, "train_loss": train_loss, "val_loss": val["loss"],
               "samples_per_sec": rate, "epoch_seconds": seconds,

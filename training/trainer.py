@@ -44,6 +44,7 @@ from utils import checkpoint as ckpt
 from utils import device as dev
 from utils.config import Config
 from utils.data_loader import Batches, get_data_loader
+from utils.era5 import channel_names
 from utils.metrics import latitude_weights, relative_l2_loss
 from utils.signals import received
 
@@ -257,6 +258,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg.optim))
         self.scaler = dev.make_grad_scaler(self.device, cfg.amp_mode)
         self.lat_weights = latitude_weights(cfg.img_size[0], self.device)
+        self.channels = channel_names(cfg.data_dir, cfg.n_in_channels)[: cfg.n_out_channels]  # predicted
         self.watches = self.build_watches()  # profilers and memory record, where the run asks
         self.step = 0  # optimizer steps done
         self.epoch_loss = torch.zeros((), device=self.device)  # running sum in this epoch
@@ -407,7 +409,7 @@ class Trainer:
             most = torch.tensor(float(self.valid_data.batches_per_epoch), device=self.device)
             pad_to = int(all_reduce_max(most, self.ctx.dp_group).item())
         batches = (self.variant.to_device(inp, tar, validating=True) for inp, tar in self.valid_data)
-        result = validation.evaluate(self.variant.predict, batches, self.cfg.n_out_channels, self.lat_weights,
+        result = validation.evaluate(self.variant.predict, batches, self.channels, self.lat_weights,
                                      self.variant.metric_groups(), pad_to)
         return self.variant.validated(result)
 

@@ -15,22 +15,22 @@ import torch
 
 from distributed.env import all_reduce_sum
 from training.context import TrainingError
-from utils.era5 import CHANNELS
 from utils.metrics import relative_l2_per_sample, weighted_rmse_per_sample
 
 
 @torch.no_grad()
 def evaluate(predict: Callable[[torch.Tensor], torch.Tensor | None],
-             batches: Iterable[tuple[torch.Tensor, torch.Tensor]], n_out: int,
+             batches: Iterable[tuple[torch.Tensor, torch.Tensor]], channels: Sequence[str],
              lat_weights: torch.Tensor, groups: Sequence[Any] = (), pad_to: int = 0) -> dict[str, Any]:
-    """Run ``predict`` over ``batches`` (input, target on the device); the sums are then added
+    """Run ``predict`` over ``batches`` (input, target on the device); ``channels``: the predicted
+    channels' names (utils/era5.py: ``channel_names``), the report's keys. The sums are then added
     up over each of ``groups`` (the data-parallel ranks; and the pipeline's, whose stages
     before the last predict nothing: ``predict`` returns None there and they add zeros).
 
     ``pad_to``: the most batches any rank has (the samples need not split evenly); a rank with
     fewer repeats its last forward, unused, until it has run as many. Needed when the forward
     itself communicates over the data-parallel ranks (FSDP's weight gathers)."""
-    # sums: [loss, count, rmse(C), persistence rmse(C)]
+    n_out = len(channels)  # sums: [loss, count, rmse(C), persistence rmse(C)]
     sums = torch.zeros(2 + 2 * n_out, device=lat_weights.device, dtype=torch.float64)
     example, inp, done = None, None, 0
     for inp, tar in batches:
@@ -58,7 +58,7 @@ def evaluate(predict: Callable[[torch.Tensor], torch.Tensor | None],
     return {
         "loss": sums[0].item() / count,
         "samples": int(count),
-        "rmse": dict(zip(CHANNELS[:n_out], rmse)),
-        "persistence": dict(zip(CHANNELS[:n_out], pers)),
+        "rmse": dict(zip(channels, rmse)),
+        "persistence": dict(zip(channels, pers)),
         "example": example,
     }

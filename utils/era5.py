@@ -1,7 +1,14 @@
-"""The ERA5 data as this course stores it: the channels and the layout shared by the loaders,
-metrics and the generator; and the year files of a data set, found, checked against the
-configuration, and their global statistics loaded, each problem a one-line ``DataError`` saying
-what to do."""
+"""The course's data format, ERA5 its first data set: the channels and the layout shared by the
+loaders, metrics and the generator; the year files of a data set, found, checked against the
+configuration, their channels named and their global statistics loaded, each problem a one-line
+``DataError`` saying what to do; and :func:`write_data_set`, which writes a learner's own fields
+(any grid, any number of channels) in this format.
+
+A data set is a folder: ``train/``, ``valid/`` and ``test/`` hold year files (HDF5, a dataset
+"fields" of float32 (T, C, H, W) at a fixed time step, its attribute "channels" naming the C
+channels), ``stats/`` the training years' global means and standard deviations (1, C, 1, 1) and
+time means (1, C, H, W). The grid is taken as latitude-longitude, top row at 90N: validation
+weights each row by its area (cos latitude)."""
 
 from __future__ import annotations
 
@@ -42,6 +49,76 @@ def longitudes(n_lon: int) -> np.ndarray:
 
 def channel_index(name: str) -> int:
     return CHANNELS.index(name)
+
+
+def channel_names(data_dir: Path, n_channels: int) -> tuple[str, ...]:
+    """The channels' names: the training year files' "channels" attribute, else ERA5's for 20
+    channels (NERSC's copy has no attribute), else c0, c1, ..."""
+    paths = sorted(split_dir(data_dir, "train").glob("*.h5"))
+    names: tuple[str, ...] = ()
+    if paths:
+        with h5py.File(paths[0], "r") as f:
+            raw = f["fields"].attrs.get("channels", ()) if "fields" in f else ()
+            names = tuple(n.decode() if isinstance(n, bytes) else str(n) for n in raw)
+    if len(names) == n_channels:
+        return names
+    return CHANNELS if n_channels == len(CHANNELS) else tuple(f"c{i}" for i in range(n_channels))
+
+
+class StatsAccumulator:
+    """Running per-channel sums over the training years, in float64."""
+
+    def __init__(self, n_channels: int, n_lat: int, n_lon: int) -> None:
+        self.sum = np.zeros((n_channels, n_lat, n_lon))
+        self.sumsq = np.zeros(n_channels)
+        self.count = 0
+
+    def add(self, block: np.ndarray) -> None:
+        b = block.astype(np.float64)
+        self.sum += b.sum(axis=0)
+        self.sumsq += (b**2).sum(axis=(0, 2, 3))
+        self.count += b.shape[0]
+
+    def finish(self) -> dict[str, np.ndarray]:
+        n_pix = self.sum.shape[1] * self.sum.shape[2]
+        time_means = self.sum / self.count
+        means = time_means.mean(axis=(1, 2))
+        var = self.sumsq / (self.count * n_pix) - means**2
+        return {
+            "global_means": means.reshape(1, -1, 1, 1).astype(np.float32),
+            "global_stds": np.sqrt(np.maximum(var, 0.0)).reshape(1, -1, 1, 1).astype(np.float32),
+            "time_means": time_means[None].astype(np.float32),
+        }
+
+
+def write_stats(output_dir: Path, stats: StatsAccumulator) -> None:
+    (Path(output_dir) / "stats").mkdir(parents=True, exist_ok=True)
+    for name, array in stats.finish().items():
+        np.save(Path(output_dir) / "stats" / STATS_FILES[name], array)
+
+
+def write_data_set(output_dir: Path, splits: dict[str, dict[str, np.ndarray]],
+                   channels: tuple[str, ...]) -> None:
+    """A data set in the course's format from arrays: ``splits`` maps "train", "valid" and "test"
+    to their years, each year's fields (T, C, H, W) at one time step apart; the statistics are the
+    training years'. Each file is written under a temporary name and renamed when whole."""
+    first = next(iter(splits["train"].values()))
+    stats = StatsAccumulator(len(channels), *first.shape[2:])
+    for split in SPLITS:
+        for year, fields in splits[split].items():
+            if fields.ndim != 4 or fields.shape[1] != len(channels):
+                raise DataError(f"{split} {year}: fields of shape {fields.shape}, expected (T, "
+                                f"{len(channels)}, H, W) for the channels {', '.join(channels)}")
+            path = split_dir(output_dir, split) / f"{year}.h5"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".h5.tmp")
+            with h5py.File(tmp, "w") as f:  # one sample per chunk, as the loaders read them
+                f.create_dataset("fields", data=fields.astype(np.float32), chunks=(1, *fields.shape[1:]))
+                f["fields"].attrs["channels"] = list(channels)
+            tmp.replace(path)
+            if split == "train":
+                stats.add(fields)
+    write_stats(output_dir, stats)
 
 
 # ------------------------------------------------------------------ year files ---

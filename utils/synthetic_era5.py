@@ -27,7 +27,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from utils.era5 import CHANNELS, HOURS_PER_STEP, STATS_FILES, latitudes, longitudes
+from utils.era5 import CHANNELS, HOURS_PER_STEP, StatsAccumulator, latitudes, longitudes, write_stats
 
 log = logging.getLogger(__name__)
 
@@ -183,32 +183,6 @@ class Progress:
             log.info("%16s %6d/%d samples (%.1f/s)", self.label, done, self.total, rate)
 
 
-class StatsAccumulator:
-    """Running per-channel sums over the training years, in float64."""
-
-    def __init__(self, n_channels: int, n_lat: int, n_lon: int) -> None:
-        self.sum = np.zeros((n_channels, n_lat, n_lon))
-        self.sumsq = np.zeros(n_channels)
-        self.count = 0
-
-    def add(self, block: np.ndarray) -> None:
-        b = block.astype(np.float64)
-        self.sum += b.sum(axis=0)
-        self.sumsq += (b**2).sum(axis=(0, 2, 3))
-        self.count += b.shape[0]
-
-    def finish(self) -> dict[str, np.ndarray]:
-        n_pix = self.sum.shape[1] * self.sum.shape[2]
-        time_means = self.sum / self.count
-        means = time_means.mean(axis=(1, 2))
-        var = self.sumsq / (self.count * n_pix) - means**2
-        return {
-            "global_means": means.reshape(1, -1, 1, 1).astype(np.float32),
-            "global_stds": np.sqrt(np.maximum(var, 0.0)).reshape(1, -1, 1, 1).astype(np.float32),
-            "time_means": time_means[None].astype(np.float32),
-        }
-
-
 def write_year(path: Path, waves: Waves, first_step: int, n_samples: int, n_lat: int,
                n_lon: int, seed: int, stats: StatsAccumulator | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -245,6 +219,4 @@ def generate(output_dir: Path, img_size: tuple[int, int], samples_per_year: int,
             first_step = (year - first_year) * samples_per_year  # continuous across years
             write_year(output_dir / split / f"{year}.h5", waves, first_step, samples_per_year,
                        n_lat, n_lon, seed, stats if split == "train" else None)
-    (output_dir / "stats").mkdir(parents=True, exist_ok=True)
-    for name, array in stats.finish().items():
-        np.save(output_dir / "stats" / STATS_FILES[name], array)
+    write_stats(output_dir, stats)
