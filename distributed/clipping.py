@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed.mesh import ParallelMesh
-from distributed.shards import is_sharded, local
+from distributed.shards import is_sharded, local, tp_split_dim
 from distributed.tags import spec
 
 
@@ -57,7 +57,7 @@ def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh) -> torch.Te
         sq = local(p.grad).float().pow(2).sum()  # an FSDP gradient: this rank's shard
         if spec(p).expert:
             experts += sq
-        elif spec(p).shard_dim is not None and mesh.size("tp") > 1:
+        elif (spec(p).shard_dim is not None or tp_split_dim(p.grad) is not None) and mesh.size("tp") > 1:
             split += sq
         else:
             replicated += sq
@@ -66,7 +66,8 @@ def global_grad_norm(params: list[nn.Parameter], mesh: ParallelMesh) -> torch.Te
     if mesh.expert_parallel > 1:
         experts = _sum_over(experts, mesh.group("ep"), on)
     total = split.to(on) + replicated.to(on) + experts.to(on)
-    sharded = next((p.grad for p in grads if is_sharded(p.grad)), None)
+    sharded = next((p.grad for p in grads if is_sharded(p.grad) and tp_split_dim(p.grad) is None
+                    and any(pl.is_shard() for pl in p.grad.placements)), None)
     if sharded is not None:  # FSDP: over the mesh dimensions that shard (HSDP: not the replicas)
         for i, placement in enumerate(sharded.placements):
             if placement.is_shard():

@@ -50,11 +50,13 @@ from utils.config_groups import MemoryConfig, OptimizerConfig, ParallelConfig
 log = logging.getLogger(__name__)
 
 
-def apply_model_parallel(model: Backbone, mesh: ParallelMesh, sequence_parallel: bool = False) -> Backbone:
+def apply_model_parallel(model: Backbone, mesh: ParallelMesh, sequence_parallel: bool = False,
+                         impl: str = "course") -> Backbone:
     """Swap the layers of the model's tensor-parallel plan for tensor/context-parallel ones (in
     place); tag every parameter. With ``sequence_parallel`` (and tp > 1) the tokens between the
     tensor-parallel layers are split over tp as well: after the cp split, each tp rank keeps its
-    part of the cp slice."""
+    part of the cp slice. ``impl`` "torch": the same plan by torch's ``parallelize_module``
+    (:func:`torch_tensor_parallel`) instead of the course's layers."""
     if mesh.size("tp") == 1 and mesh.size("cp") == 1:  # nothing to split inside the layers
         return model
     # imported here: a run without tensor or context parallelism never needs the layers
@@ -81,7 +83,9 @@ def apply_model_parallel(model: Backbone, mesh: ParallelMesh, sequence_parallel:
                          f"leave out --sequence_parallel")
     sizes = sequence_sizes(model.num_tokens, mesh)
     tp_sizes = tp_sequence_sizes(model.num_tokens, mesh) if sp else None
-    for path, style in plan.items():
+    if impl == "torch":
+        torch_tensor_parallel(model, mesh, plan, sp)
+    for path, style in plan.items() if impl == "course" else ():
         serial = model.get_submodule(path)
         if style == "colwise":
             replace(model, path, ColumnParallelLinear(serial, mesh, tp_sizes))
@@ -104,6 +108,30 @@ def apply_model_parallel(model: Backbone, mesh: ParallelMesh, sequence_parallel:
         model.seq_gather = gathers[0] if len(gathers) == 1 else nn.Sequential(*gathers)
     tag_model(model, mesh, sequence_parallel=sp)
     return model
+
+
+def torch_tensor_parallel(model: Backbone, mesh: ParallelMesh, plan: dict[str, str], sp: bool) -> None:
+    """The plan applied by torch's ``parallelize_module`` (what production code uses): "colwise" as
+    ``ColwiseParallel``, "rowwise" as ``RowwiseParallel``. Their weights become DTensors on the mesh
+    dimension "tp", which know how they are split (consolidation, clipping and the initial values
+    read that); a row-parallel bias is a replicated DTensor, its gradient complete from DTensor's
+    backward. The inputs and outputs stay plain tensors: with sequence parallelism a colwise layer
+    takes this rank's tokens (``Shard(1)``: all-gathered first) and a rowwise one gives them back
+    (``Shard(1)``: its partial sums reduce-scattered), as the course's layers do."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if mesh.dp_size > 1 or mesh.size("cp") > 1 or mesh.size("pp") > 1:
+        raise ValueError("--tp_impl torch runs tensor (and sequence) parallelism alone here, every rank in "
+                         "the tp group; use --tp_impl course with data, context or pipeline parallelism")
+    if sp and model.num_tokens % mesh.size("tp"):
+        raise ValueError(f"--tp_impl torch splits the {model.num_tokens} tokens evenly over "
+                         f"--tensor_parallel {mesh.size('tp')}; use --tp_impl course for uneven parts")
+    tokens = Shard(1)  # (B, N, D) split along N
+    styles = {"colwise": lambda: ColwiseParallel(input_layouts=tokens) if sp else ColwiseParallel(),
+              "rowwise": lambda: RowwiseParallel(output_layouts=tokens) if sp else RowwiseParallel()}
+    torch_plan = {path: styles[style]() for path, style in plan.items() if style in styles}
+    parallelize_module(model, mesh.device_mesh["tp"], torch_plan)
 
 
 def apply_activation_checkpointing(model: Backbone, mode: str) -> Backbone:
@@ -189,7 +217,7 @@ def parallelize(model: Backbone, mesh: ParallelMesh, device: torch.device, layou
     ``model`` is built on the meta device when ``initial_values`` is given: nothing is
     allocated until the model is split, then each rank allocates its own part (materialize)."""
     meta = initial_values is not None
-    model = apply_model_parallel(model, mesh, layout.sequence_parallel)
+    model = apply_model_parallel(model, mesh, layout.sequence_parallel, layout.tp_impl)
     if layout.expert_parallel > 1:  # imported only then: the experts split over data-parallel ranks
         from distributed.experts import apply_expert_parallel
 

@@ -94,6 +94,10 @@ def build_optimizer(model: nn.Module, optimizer_class: type[torch.optim.Optimize
 
         whole = mesh.size("tp") == 1 and not fsdp_active(layout, mesh)  # ZeRO-1 steps whole tensors
         options = {**options, "sum_squares": local_sum_squares if whole else split_sum_squares(mesh)}
+    if layout.tp_impl == "torch" and mesh.size("tp") > 1:
+        # torch's tensor parallelism leaves the norms plain tensors beside DTensor weights, and the
+        # foreach and fused kernels take one kind at a time: the single-tensor loop, same numbers
+        options = {k: False if k in ("foreach", "fused") else v for k, v in options.items()}
     if getattr(optimizer_class, "averages_momentum", False):  # 1-bit Adam: DDP's hook, then its own average
         from distributed import onebit_adam
 

@@ -22,6 +22,15 @@ def is_sharded(t: Any) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+def tp_split_dim(t: Any) -> int | None:
+    """The dimension along which a DTensor is split over the mesh dimension "tp" (torch's own
+    tensor parallelism, distributed/parallelize.py), or None."""
+    if not is_sharded(t):
+        return None
+    names = t.device_mesh.mesh_dim_names or ()
+    return next((p.dim for p, name in zip(t.placements, names) if p.is_shard() and name == "tp"), None)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` stored on this rank (an FSDP parameter's shard, else ``t``)."""
     return t.to_local() if is_sharded(t) else t

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed.mesh import ParallelMesh
+from distributed.shards import is_sharded
 from utils import compat
 from utils.config_groups import ParallelConfig
 
@@ -60,7 +61,8 @@ def tag_model(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool = Fa
     cp = ("cp",) if mesh.size("cp") > 1 else ()
     for p in model.parameters():
         shard_dim = spec(p).shard_dim
-        tp = ("tp",) if sequence_parallel and shard_dim is None else ()
+        # (a DTensor of torch's tensor parallelism: its gradient comes complete from DTensor's backward)
+        tp = ("tp",) if sequence_parallel and shard_dim is None and not is_sharded(p) else ()
         tag(p, shard_dim, tp + cp, spec(p).expert)
 
 

@@ -366,11 +366,56 @@ def _parity_on_ranks(layouts: list[tuple[int, ...]]) -> None:
         raise AssertionError(f"rank {dist.get_rank()}:\n" + "\n".join(errors[:12]))
 
 
+EVEN_MODEL = {**MODEL, "img_size": (16, 16)}  # 16 tokens: torch's sequence parallelism splits evenly
+
+
+def _torch_tp_steps_on_ranks() -> None:
+    """tp 2, and tp 2 with sequence parallelism: the course's layers and torch's parallelize_module
+    (the same plan, ``ViT.tp_plan``) against the serial model for two SGD steps: outputs, the
+    gradient norm and every weight after each step."""
+    errors: list[str] = []
+    mesh = build_mesh({"tp": 2})
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(2, 3, 16, 16, generator=gen), torch.randn(2, 2, 16, 16, generator=gen))
+               for _ in range(2)]
+    for sp in (False, True):
+        torch.manual_seed(0)
+        serial = ViT(**EVEN_MODEL)
+        models = {"serial": serial}
+        for impl in ("course", "torch"):
+            torch.manual_seed(0)
+            models[impl] = wrap_data_parallel(apply_model_parallel(ViT(**EVEN_MODEL), mesh, sp, impl), mesh,
+                                              torch.device("cpu"))
+        # SGD: Adam would turn the float noise of gradients that are 0 in exact arithmetic (the key
+        # biases') into whole steps of the learning rate
+        optims = {k: torch.optim.SGD(m.parameters(), lr=0.05) for k, m in models.items()}
+        for step, (x, w) in enumerate(batches):
+            out, norm = {}, {}
+            for name, m in models.items():
+                optims[name].zero_grad()
+                out[name] = m(x)
+                (out[name] * w).sum().backward()
+                norm[name] = (torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9) if name == "serial"
+                              else clip_grad_norm(list(m.parameters()), 1e9, mesh))
+                optims[name].step()
+            for impl in ("course", "torch"):
+                where = f"{impl} sp={sp} step {step}"
+                _close(f"{where} output", out[impl].detach(), out["serial"].detach(), errors)
+                _close(f"{where} gradient norm", norm[impl], norm["serial"], errors)
+                for name, full in full_state(models[impl], mesh).items():
+                    _close(f"{where} weight {name}", full, serial.get_parameter(name).detach(), errors)
+    with pytest.raises(ValueError, match="splits the 15 tokens evenly over --tensor_parallel 2"):
+        apply_model_parallel(ViT(**MODEL), mesh, True, "torch")
+    if errors:
+        raise AssertionError(f"rank {dist.get_rank()}:\n" + "\n".join(errors[:12]))
+
+
 def _mappings_then_parity(layouts: list[tuple[int, ...]]) -> None:
     from tests.test_experts import checkpoint_round_trip
 
     _mappings_on_ranks()
     _parity_on_ranks(layouts)
+    _torch_tp_steps_on_ranks()
     checkpoint_round_trip()  # a serial checkpoint loads into 2 expert-parallel ranks and back
 
 
@@ -378,7 +423,8 @@ def test_mappings_and_tp2_cp2_match_serial_on_two_ranks():
     """One set of 2 ranks (starting ranks is the slow part): the mappings against
     hand-computed values, then the parallel ViT against the serial one for tp=2 and cp=2 (and
     tp=2 with sequence parallelism, and with replicated experts), then a checkpoint's round trip
-    through 2 expert-parallel ranks (tests/test_experts.py)."""
+    through 2 expert-parallel ranks (tests/test_experts.py), and torch's parallelize_module against
+    the course's layers and the serial model."""
     run_ranks(2, _mappings_then_parity, [(2, 1), (1, 2), (2, 1, True), (2, 1, False, True)])
 
 
@@ -445,6 +491,8 @@ def _parity_then_fsdp_build(layouts: list[tuple[int, ...]], data_dir: str, out_d
 
     _placement_on_two_nodes()
     _parity_on_ranks(layouts)
+    with pytest.raises(ValueError, match="--tp_impl torch runs tensor .* alone here"):  # tp 2 x dp 2
+        apply_model_parallel(ViT(**MODEL), build_mesh({"tp": 2}), False, "torch")
     out = Path(out_dir)
     tiny, _ = _build_peak(make_cfg(data_dir, out, data_parallel="fsdp"), out / "tiny")
     big, n_params = _build_peak(make_cfg(data_dir, out, data_parallel="fsdp", **BIG), out / "big")

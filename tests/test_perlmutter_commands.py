@@ -425,7 +425,7 @@ PLACEMENTS = (
               "inside a node", "--tensor_parallel=4 --pipeline_parallel=2\n", "tp", "inside"),
     Placement("docs/07-pipeline-parallel.md", "sends only the stage boundary's tokens between the\nnodes",
               "--tensor_parallel=4 --pipeline_parallel=2\n", "pp", "across"),
-    Placement("docs/05-model-parallel.md", "a tensor-parallel group is\nconsecutive ranks, i.e. GPUs of one "
+    Placement("docs/05-model-parallel.md", "a tensor-parallel group is\nconsecutive ranks, GPUs of one "
               "node", "--config=mp --tensor_parallel=4\n", "tp", "inside"),
     Placement("docs/05-model-parallel.md", "data parallelism, which communicates once per step, goes\nacross "
               "nodes", "--config=mp --tensor_parallel=4\n", "dp", "across"),

@@ -305,7 +305,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "stop_check_every", "memory_snapshot", "profile_epoch", "profile_start_step", "profile_num_steps",
     "profile",
     "enable_fused", "enable_jit", "attention_kernel", "tensor_parallel", "context_parallel", "parallel_order",
-    "sequence_parallel", "expert_parallel", "bucket_cap_mb", "disable_broadcast_buffers",
+    "sequence_parallel", "tp_impl", "expert_parallel", "bucket_cap_mb", "disable_broadcast_buffers",
     "rendezvous_timeout_s", "collective_timeout_s", "dist_backend",
     "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",
     "dp_shard", "cpu_offload", "engine", "zero_stage",

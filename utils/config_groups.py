@@ -250,6 +250,8 @@ class ParallelConfig(Group):
                                          "parallel layers (norms, residuals, dropout) split along the "
                                          "tokens over the tp ranks; all-gather and reduce-scatter "
                                          "replace the all-reduce")
+    tp_impl: str = key("course", "tensor parallelism by the course's layers (distributed/layers.py) or "
+                                 "by torch's parallelize_module", choices=("course", "torch"))
     pipeline_parallel: int = key(1, "pipeline stages: each rank holds a contiguous part of the "
                                     "transformer blocks and passes activations on")
     pipeline_schedule: str = key("1f1b", "order of the micro-batches' forward and backward passes on "
