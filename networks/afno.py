@@ -50,6 +50,9 @@ class SpectralFilter(nn.Module):
         self.w2 = nn.Parameter(torch.empty(2, groups, d, d))
         self.bias2 = nn.Parameter(torch.empty(2, groups, d))
 
+    # Eager inside a compiled block: inductor generates no code for complex tensors (it falls back
+    # and warns), and torch 2.8's compiled backward of the FFT failed on a layout it chose itself
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, dim = x.shape
         gh, gw = self.grid

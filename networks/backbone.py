@@ -213,8 +213,9 @@ def count_parameters(model: nn.Module) -> int:
 def build_on_meta(cfg: Any) -> tuple[Backbone, int]:
     """The serial model on the meta device (shapes only: no memory, no random numbers drawn) and
     its number of parameters: what every layout builds first, before taking its part of it."""
+    cls = backbone_class(cfg)  # imported first: torch 2.8 fails to import its compiler under the mode below
     with torch.device("meta"):
-        model = build(cfg)
+        model = cls.from_config(cfg)
     return model, count_parameters(model)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from networks.backbone import BACKBONES, backbone_class, build
+from networks.backbone import BACKBONES, backbone_class, build, build_on_meta
 from tests.conftest import make_cfg
 from tests.dist_spawn import run_ranks
 from tests.test_ladder import fixed_batches, make_trainer
@@ -107,9 +107,10 @@ def test_every_backbone_builds_on_meta_and_fills_from_the_seed(cfg_factory):
     on the meta device and for a real one (what parallelize's materialize relies on)."""
     for name in BACKBONES:
         cfg = cfg_factory(backbone=name).model
-        with torch.device("meta"):
-            meta = build(cfg)
+        meta, n_params = build_on_meta(cfg)
         real = build(cfg)
+        assert all(p.is_meta for p in meta.parameters()), name
+        assert n_params == sum(p.numel() for p in real.parameters()), name
         names = [n for n, _ in meta.initial_values(torch.Generator().manual_seed(0))]
         assert sorted(names) == sorted(n for n, _ in real.named_parameters()), name
         real.reset_parameters(torch.Generator().manual_seed(0))
