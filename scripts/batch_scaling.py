@@ -79,15 +79,8 @@ def train_once(cfg: Config, batch: int, micro_batch: int, lr: float, optimizer: 
     if trainer.train_data.batches_per_epoch == 0:
         raise ValueError(f"the training data holds fewer samples than one batch of {batch}; "
                          f"use smaller --batches or more data")
-    start, losses, epoch = time.time(), [], 0
-    while len(losses) < steps:  # epoch after epoch (at batch 512 the demo year holds one batch)
-        trainer.train_data.set_epoch(epoch, 0)
-        for inp, tar in trainer.train_data:
-            losses.append(trainer.train_step(*trainer.to_device(inp, tar)))
-            trainer.train_data.give_back(inp, tar)
-            if len(losses) == steps:
-                break
-        epoch += 1
+    start = time.time()  # epoch after epoch (at batch 512 the demo year holds one batch)
+    losses = [loss for _, loss in trainer.run_steps(steps)]
     train_loss = [float(x) for x in losses]  # one host sync per run, at the end
     val = trainer.validate()
     if not all(map(math.isfinite, train_loss)):

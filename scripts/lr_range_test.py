@@ -43,19 +43,10 @@ def range_test(cfg, steps: int, lr_min: float, lr_max: float, out: Path) -> dict
     growth = (lr_max / lr_min) ** (1.0 / max(1, steps - 1))
     trainer.set_lr_factor(lambda i: growth ** i)
 
-    def batches():  # epoch after epoch, as many as the test needs
-        epoch = 0
-        while True:
-            trainer.train_data.set_epoch(epoch, 0)
-            yield from trainer.train_data
-            epoch += 1
-
     lrs, losses, smoothed = [], [], []
     average, best, reason = 0.0, math.inf, f"reached lr_max after {steps} steps"
-    for batch in batches():
-        lr = trainer.optimizer.param_groups[0]["lr"]
-        loss = trainer.train_step(*trainer.to_device(*batch)).item()  # then the rate grows
-        trainer.train_data.give_back(*batch)
+    for lr, loss in trainer.run_steps(steps):  # the rate grows after each step
+        loss = loss.item()
         lrs.append(lr)
         losses.append(loss)
         average = SMOOTHING * average + (1 - SMOOTHING) * loss
@@ -64,8 +55,9 @@ def range_test(cfg, steps: int, lr_min: float, lr_max: float, out: Path) -> dict
         if not math.isfinite(smoothed[-1]) or smoothed[-1] > DIVERGED * best:
             reason = f"diverged at lr {lr:.3g} (step {len(lrs)})"
             break
-        if len(lrs) == steps:
-            break
+    if not lrs:
+        raise ValueError(f"the training data holds fewer samples than one batch of {cfg.global_batch_size}; "
+                         f"use a smaller --global_batch_size or more data")
     finite = [i for i, v in enumerate(smoothed) if math.isfinite(v)]
     lowest = min(finite, key=lambda i: smoothed[i])
     return {"lr": lrs, "loss": losses, "smoothed": smoothed, "stopped": reason,

@@ -283,3 +283,23 @@ def test_plot_training_script(tmp_path, capsys):
         plot_main(["--run_dir", str(EXAMPLE_RUN), "--out", str(out), "--channels", "t3m"])
     with pytest.raises(SystemExit, match="metrics.jsonl not found"):
         plot_main(["--run_dir", str(tmp_path), "--out", str(out)])
+
+
+def test_run_steps_goes_on_across_epochs_and_stops_when_asked(cfg_factory, tmp_path):
+    """``Trainer.run_steps``: the scripts' loop (range test, batch-scaling study): 5 steps over
+    2-step epochs, each with the rate it used; a caller that stops early stops the training."""
+    from training.context import RunContext
+    from training.trainer import Trainer
+
+    cfg = cfg_factory(num_iters=8, limit_nsamples=8, warmup=0, lr_schedule="cosine")
+    trainer = Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path / "run"), 4)
+    assert trainer.train_data.batches_per_epoch == 2
+    ran = list(trainer.run_steps(5))
+    assert len(ran) == 5 and all(torch.isfinite(loss) for _, loss in ran)
+    lrs = [lr for lr, _ in ran]
+    assert lrs[0] == cfg.lr and all(a > b for a, b in zip(lrs, lrs[1:]))  # the cosine, step by step
+    for i, _ in enumerate(trainer.run_steps(5)):
+        if i == 1:
+            break
+    first = next(iter(trainer.model.parameters()))
+    assert trainer.optimizer.state[first]["step"].item() == 7  # 2 more steps, not 5

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import math
 import time
@@ -356,6 +357,21 @@ class Trainer:
 
     def to_device(self, inp: torch.Tensor, tar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.variant.to_device(inp, tar)
+
+    def run_steps(self, n: int) -> Iterator[tuple[float, torch.Tensor]]:
+        """``n`` optimizer steps, epoch after epoch, with no validation, log or checkpoint (the range
+        test's and the batch-scaling study's loop): yields each step's learning rate and loss (a
+        device tensor) after the step; the caller may stop early."""
+        for epoch in itertools.count() if self.train_data.batches_per_epoch else ():
+            self.train_data.set_epoch(epoch, 0)
+            for batch in self.train_data:
+                lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule moves it after)
+                loss = self.train_step(*self.to_device(*batch))
+                self.train_data.give_back(*batch)
+                yield lr, loss
+                n -= 1
+                if n == 0:
+                    return
 
     def train_epoch(self, epoch: int, start_batch: int) -> int:
         """Train from ``start_batch`` to the end of the epoch or of training; returns steps run."""
