@@ -85,14 +85,15 @@ def apply_model_parallel(model: Backbone, mesh: ParallelMesh, sequence_parallel:
     tp_sizes = tp_sequence_sizes(model.num_tokens, mesh) if sp else None
     if impl == "torch":
         torch_tensor_parallel(model, mesh, plan, sp)
-    for path, style in plan.items() if impl == "course" else ():
-        serial = model.get_submodule(path)
-        if style == "colwise":
-            replace(model, path, ColumnParallelLinear(serial, mesh, tp_sizes))
-        elif style == "rowwise":
-            replace(model, path, RowParallelLinear(serial, mesh, tp_sizes))
-        elif mesh.size("cp") > 1:  # "context": this rank's queries attend to every rank's keys
-            replace(model, path, ContextParallelAttention(serial, mesh, sizes))
+    else:
+        for path, style in plan.items():
+            serial = model.get_submodule(path)
+            if style == "colwise":
+                replace(model, path, ColumnParallelLinear(serial, mesh, tp_sizes))
+            elif style == "rowwise":
+                replace(model, path, RowParallelLinear(serial, mesh, tp_sizes))
+            elif mesh.size("cp") > 1:  # "context": this rank's queries attend to every rank's keys
+                replace(model, path, ContextParallelAttention(serial, mesh, sizes))
     splits, gathers = [], []  # (B, N, D) -> cp slice -> its tp part, and back in reverse
     if mesh.size("cp") > 1:
         splits.append(SequenceSplit(sizes, mesh, "cp"))

@@ -294,3 +294,5 @@ def test_a_data_set_of_another_grid_and_channel_count_trains(tmp_path):
     assert epochs[-1]["val_loss"] < 0.9 * epochs[0]["val_loss"], [e["val_loss"] for e in epochs]
     with pytest.raises(DataError, match=r"fields of shape \(4, 2, 16, 32\), expected \(T, 3, H, W\)"):
         write_data_set(tmp_path / "bad", {"train": {"2000": year(0, 4)[:, :2]}}, ("p", "q", "r"))
+    with pytest.raises(DataError, match="needs at least one training year"):
+        write_data_set(tmp_path / "bad", {"valid": {"2001": year(0, 4)}}, ("p", "q", "r"))

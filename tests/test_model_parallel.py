@@ -528,6 +528,14 @@ def test_saved_activation_bytes_counts_each_storage_once():
     assert out.shape == (16, 4)
 
 
+@pytest.mark.parametrize("flags", [{}, {"tensor_parallel": 2, "context_parallel": 2},
+                                   {"tensor_parallel": 2, "pipeline_parallel": 2}])
+def test_torch_tensor_parallelism_alone_is_asked_for(cfg_factory, flags):
+    with pytest.raises(ValueError, match="--tp_impl torch is tensor parallelism alone here: use it with "
+                                         "--tensor_parallel 2 or more"):
+        cfg_factory(tp_impl="torch", **flags)
+
+
 @pytest.mark.parametrize("flags, message", [
     ({}, "--sequence_parallel splits what tensor parallelism replicates; use it with --tensor_parallel 2"),
     ({"tensor_parallel": 2, "data_parallel": "fsdp"}, "does not combine with --data_parallel fsdp here"),

@@ -147,6 +147,11 @@ def check_across(cfg: Config) -> None:
             if bad:
                 raise ValueError(message)
     check_experts(model, layout)
+    if layout.tp_impl == "torch" and (layout.tensor_parallel < 2 or layout.context_parallel > 1
+                                      or layout.pipeline_parallel > 1):
+        raise ValueError("--tp_impl torch is tensor parallelism alone here: use it with --tensor_parallel 2 "
+                         "or more and no --context_parallel or --pipeline_parallel (--tp_impl course "
+                         "takes those)")
     if optim.optimizer_type == "OneBitAdam":
         check_onebit(cfg)
     elif optim.onebit_warmup_steps != 100:

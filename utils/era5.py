@@ -102,10 +102,13 @@ def write_data_set(output_dir: Path, splits: dict[str, dict[str, np.ndarray]],
     """A data set in the course's format from arrays: ``splits`` maps "train", "valid" and "test"
     to their years, each year's fields (T, C, H, W) at one time step apart; the statistics are the
     training years'. Each file is written under a temporary name and renamed when whole."""
+    if not splits.get("train"):
+        raise DataError("write_data_set needs at least one training year (splits['train']): the "
+                        "statistics are the training years'")
     first = next(iter(splits["train"].values()))
     stats = StatsAccumulator(len(channels), *first.shape[2:])
     for split in SPLITS:
-        for year, fields in splits[split].items():
+        for year, fields in splits.get(split, {}).items():
             if fields.ndim != 4 or fields.shape[1] != len(channels):
                 raise DataError(f"{split} {year}: fields of shape {fields.shape}, expected (T, "
                                 f"{len(channels)}, H, W) for the channels {', '.join(channels)}")
