@@ -126,7 +126,7 @@ def check_takes_effect(layout: ParallelConfig, memory: MemoryConfig, sizes: dict
     if layout.engine != "native":
         return
     dp, what = sizes[DATA], None
-    if dp == 1 and layout.data_parallel != "ddp":  # distributed/sharding.py: fsdp_active, zero1_active
+    if dp == 1 and not layout.replicated:  # distributed/sharding.py: fsdp_active, zero1_active
         offload = " with --cpu_offload" if memory.cpu_offload else ""
         what = f"--data_parallel {layout.data_parallel}{offload} shards over the data-parallel ranks"
     elif dp == 1 and layout.grad_compression != "none":  # DDP's hook: no DDP with one replica
@@ -138,7 +138,7 @@ def check_takes_effect(layout: ParallelConfig, memory: MemoryConfig, sizes: dict
         ranks = f"{model} ranks{at} leave" if model > 1 else "1 rank leaves"
         raise ValueError(f"{what}, but {ranks} 1 data-parallel rank: start {2 * model} ranks or more (on "
                          f"Perlmutter nodes x 4 GPUs), or leave the flag out")
-    if layout.data_parallel == "hsdp":
+    if layout.hsdp:
         shard = hsdp_shard(layout, dp, ranks_per_node)
         if shard == dp:
             raise ValueError(f"--data_parallel hsdp with one sharding group of all {dp} data-parallel ranks "

@@ -37,11 +37,11 @@ log = logging.getLogger(__name__)
 
 
 def fsdp_active(layout: ParallelConfig, mesh: ParallelMesh) -> bool:
-    return layout.data_parallel in ("fsdp", "hsdp") and mesh.dp_size > 1
+    return layout.sharded and mesh.dp_size > 1
 
 
 def zero1_active(layout: ParallelConfig, mesh: ParallelMesh) -> bool:
-    return layout.data_parallel == "zero1" and mesh.dp_size > 1
+    return layout.zero1 and mesh.dp_size > 1
 
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, layout: ParallelConfig, amp_mode: str,
@@ -61,7 +61,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, layout: ParallelConfig, amp
     # offload: the shards live in host memory, are copied to the device for each gather, and
     # Adam steps on the CPU (page-locked host memory on a GPU, for asynchronous copies)
     offload = CPUOffloadPolicy(pin_memory=dev.cuda_available()) if cpu_offload else OffloadPolicy()
-    dp_mesh = hsdp_mesh(mesh, layout) if layout.data_parallel == "hsdp" else mesh.device_mesh["dp"]
+    dp_mesh = hsdp_mesh(mesh, layout) if layout.hsdp else mesh.device_mesh["dp"]
     backend = dist.get_backend(mesh.dp_group)
     for unit in model.units().values():
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=layout.reshard_after_forward,

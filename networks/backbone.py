@@ -36,11 +36,12 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from utils.config_groups import ModelConfig
 
 BACKBONES = {"vit": "networks.vit:ViT", "afno": "networks.afno:AFNO"}  # config key ``backbone`` -> class
 
@@ -77,7 +78,7 @@ class Backbone(nn.Module):
         self.seq_gather = nn.Identity()
 
     @classmethod
-    def from_config(cls, cfg: Any) -> Backbone:
+    def from_config(cls, cfg: ModelConfig) -> Backbone:
         """The model of the configuration's model group (``Config.model``)."""
         raise NotImplementedError
 
@@ -101,7 +102,8 @@ class Backbone(nn.Module):
         return {}
 
     @classmethod
-    def upgrade_state_dict(cls, state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor] | None:
+    def upgrade_state_dict(cls, state: dict[str, torch.Tensor],
+                           cfg: ModelConfig) -> dict[str, torch.Tensor] | None:
         """A checkpoint's model state of an older layout of this model in the current one, or None
         when it is current (training/upgrade.py then converts the optimizer state alike)."""
         return None
@@ -191,7 +193,7 @@ def layer_values(name: str, m: nn.Module, generator: torch.Generator | None
         yield f"{prefix}bias", torch.zeros(m.bias.shape)  # (a mixture of experts' router has none)
 
 
-def backbone_class(cfg: Any) -> type[Backbone]:
+def backbone_class(cfg: ModelConfig) -> type[Backbone]:
     """The class the model group's ``backbone`` key names."""
     name = getattr(cfg, "backbone", "vit")
     if name not in BACKBONES:
@@ -200,7 +202,7 @@ def backbone_class(cfg: Any) -> type[Backbone]:
     return getattr(importlib.import_module(module), cls)
 
 
-def build(cfg: Any) -> Backbone:
+def build(cfg: ModelConfig) -> Backbone:
     """The configured serial model (``cfg``: the configuration's model group, ``Config.model``);
     distributed/parallelize.py makes this rank's part of it."""
     return backbone_class(cfg).from_config(cfg)
@@ -210,7 +212,7 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_on_meta(cfg: Any) -> tuple[Backbone, int]:
+def build_on_meta(cfg: ModelConfig) -> tuple[Backbone, int]:
     """The serial model on the meta device (shapes only: no memory, no random numbers drawn) and
     its number of parameters: what every layout builds first, before taking its part of it."""
     cls = backbone_class(cfg)  # imported first: torch 2.8 fails to import its compiler under the mode below

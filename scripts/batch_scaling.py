@@ -58,7 +58,8 @@ def plan_run(cfg: Config, batch: int, micro_batch: int, samples: int) -> dict:
     """The config keys of one run: as many steps as ``samples`` fill, the warm-up over as many
     samples as the config's (cfg.warmup steps of its batch), the batch as micro-batches."""
     steps = max(1, samples // batch)
-    warmup = min(steps - 1, math.ceil(cfg.warmup * cfg.global_batch_size / batch)) if cfg.warmup else 0
+    optim = cfg.optim
+    warmup = min(steps - 1, math.ceil(optim.warmup * optim.global_batch_size / batch)) if optim.warmup else 0
     return {"global_batch_size": batch, "grad_accum_steps": batch // micro_batch, "num_iters": steps,
             "warmup": warmup}
 
@@ -155,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_script_config(p, args)
     for name in optimizers:  # the config's own check of the name: one line if unknown
         load_script_config(p, args, optimizer_type=name)
-    base, micro = cfg.global_batch_size, args.micro_batch or cfg.global_batch_size
-    lr0 = {"Adam": args.adam_lr or cfg.lr, "LAMB": args.lamb_lr}
+    base, micro = cfg.optim.global_batch_size, args.micro_batch or cfg.optim.global_batch_size
+    lr0 = {"Adam": args.adam_lr or cfg.optim.lr, "LAMB": args.lamb_lr}
     unknown = [r for r in rules if r not in RULES]
     if unknown:
         p.error(f"unknown rule {unknown[0]!r}; choose from {', '.join(RULES)}")

@@ -256,9 +256,9 @@ def flops_per_sample(cfg: Config, batch: int, device: torch.device) -> float:
     """Forward + backward FLOPs of the model per sample (eager, fp32: FLOPs do not depend on dtype)."""
     torch.manual_seed(0)
     model = build(cfg.model).to(device)
-    h, w = cfg.img_size
-    inp = torch.randn(batch, cfg.n_in_channels, h, w, device=device)
-    tar = torch.randn(batch, cfg.n_out_channels, h, w, device=device)
+    h, w = cfg.model.img_size
+    inp = torch.randn(batch, cfg.model.n_in_channels, h, w, device=device)
+    tar = torch.randn(batch, cfg.model.n_out_channels, h, w, device=device)
     counter = flop_counter.FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOPS)
     with counter:
         relative_l2_loss(model(inp), tar).backward()
@@ -310,7 +310,7 @@ def linear_shapes(cfg: Config, batch: int,
     meta device would need no arithmetic, but its attention imports sympy: seconds."""
     device = device or torch.device("cpu")
     model = build(cfg).to(device)
-    h, w = cfg.img_size
+    h, w = cfg.model.img_size
     shapes: dict[tuple[int, int, int], int] = {}
 
     def note(layer: torch.nn.Linear, args: tuple[torch.Tensor, ...]) -> None:
@@ -321,7 +321,7 @@ def linear_shapes(cfg: Config, batch: int,
         if isinstance(layer, torch.nn.Linear):
             layer.register_forward_pre_hook(note)
     with torch.no_grad():
-        model(torch.zeros(1, cfg.n_in_channels, h, w, device=device))
+        model(torch.zeros(1, cfg.model.n_in_channels, h, w, device=device))
     return shapes
 
 
@@ -448,19 +448,19 @@ class RawReads:
         from utils.data_loader import ERA5Dataset
 
         self.cfg = cfg
-        self.dataset = ERA5Dataset(cfg, "train", cfg.limit_nsamples)
+        self.dataset = ERA5Dataset(cfg, "train", cfg.data.limit_nsamples)
         self.files = [h5py.File(f.path, "r")["fields"] for f in self.dataset.files]
-        h, w = cfg.img_size
-        self.sample_bytes = 2 * self.files[0].dtype.itemsize * cfg.n_in_channels * h * w
+        h, w = cfg.model.img_size
+        self.sample_bytes = 2 * self.files[0].dtype.itemsize * cfg.model.n_in_channels * h * w
         self._warm = False
 
     def read(self, indices: list[int]) -> None:
-        h, w = self.cfg.img_size
+        h, w = self.cfg.model.img_size
         for index in indices:
             file_no, t = self.dataset.locate(index)
             fields = self.files[file_no]
             inp = fields[t, :, :h, :w]  # noqa: F841 (kept until the next pair, as a loop would)
-            tar = fields[t + self.cfg.dt, :, :h, :w]  # noqa: F841
+            tar = fields[t + self.cfg.data.dt, :, :h, :w]  # noqa: F841
 
     def rate(self, indices: list[int]) -> float:
         """Samples/s of reading ``indices`` (the first call reads them once untimed first)."""
@@ -554,7 +554,7 @@ def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
     breakdown["other"] = step_ms - sum(breakdown.values())
     mem, mem_kind = peak_memory(opts.device)
     samples_per_sec = opts.steps * batch / elapsed
-    loader_key = (cfg.data_loader_config, cfg.num_data_workers)
+    loader_key = (cfg.data.data_loader_config, cfg.data.num_data_workers)
     if loader_key not in loader_cache:
         loader_cache[loader_key] = loader_alone(trainer, opts.loader_batches)
     close_rung(trainer, run_dir)
@@ -567,8 +567,8 @@ def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
         "breakdown_ms": breakdown,
         "peak_memory_bytes": mem,
         "memory_kind": mem_kind,
-        "mfu": flops * samples_per_sec / peaks[cfg.amp_mode],
-        **({"mfu_shapes": flops * samples_per_sec / shape_peaks[cfg.amp_mode]} if shape_peaks else {}),
+        "mfu": flops * samples_per_sec / peaks[cfg.optim.amp_mode],
+        **({"mfu_shapes": flops * samples_per_sec / shape_peaks[cfg.optim.amp_mode]} if shape_peaks else {}),
         "loader": loader_cache[loader_key],
         "attention_kernel": trainer.attention_kernel,
         "mean_train_loss": float(trainer.epoch_loss.item() / max(1, trainer.epoch_steps)),
@@ -600,7 +600,7 @@ BareKey = tuple[str, bool, bool]  # (amp_mode, enable_fused, enable_jit): what t
 
 
 def bare_key(cfg: Config) -> BareKey:
-    return cfg.amp_mode, cfg.enable_fused, cfg.enable_jit
+    return cfg.optim.amp_mode, cfg.optim.enable_fused, cfg.optim.enable_jit
 
 
 def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -624,18 +624,19 @@ def bare_step(cfg: Config, batch: int, device: torch.device, amp: str, fused: bo
     """The bare loop's step (it returns the loss), over the same model and one batch held in
     memory, and the attention kernel it runs: the one the trainer chooses for these settings
     (utils/attention.py)."""
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.run.seed)
     model = build(cfg.model).to(device)
     # the Trainer's Adam kernel (fused, else foreach), so the reference differs from it only in
     # what surrounds the step
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, **dev.adam_kernel(fused))
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.adam_betas,
+                           **dev.adam_kernel(fused))
     forward = torch.compile(model) if jit else model
     loss_fn = torch.compile(relative_l2_loss) if jit else relative_l2_loss
-    h, w = cfg.img_size
-    inp = torch.randn(batch, cfg.n_in_channels, h, w, device=device)
-    tar = torch.randn(batch, cfg.n_out_channels, h, w, device=device)
+    h, w = cfg.model.img_size
+    inp = torch.randn(batch, cfg.model.n_in_channels, h, w, device=device)
+    tar = torch.randn(batch, cfg.model.n_out_channels, h, w, device=device)
     _, kv_len = attention.call_shape(cfg, batch)
-    kernel = attention.choose(cfg.attention_kernel, device, DTYPES[amp], kv_len)
+    kernel = attention.choose(cfg.optim.attention_kernel, device, DTYPES[amp], kv_len)
 
     def step() -> torch.Tensor:
         with dev.autocast(device, amp), attention.kernel(kernel):
@@ -768,7 +769,7 @@ def ensure_data(cfg: Config, samples: int) -> None:
     from utils.synthetic_era5 import generate
 
     print(f"generating {samples} samples per split of synthetic data in {cfg.data_path}", file=sys.stderr)
-    generate(cfg.data_path, cfg.img_size, samples, {"train": [2016], "valid": [2017], "test": [2018]},
+    generate(cfg.data_path, cfg.model.img_size, samples, {"train": [2016], "valid": [2017], "test": [2018]},
              seed=0)
 
 
@@ -845,12 +846,13 @@ def climb(configs: list[tuple[str, Config]], base: Config, args: argparse.Namesp
         print(f"rung {i + 1}/{len(configs)} {name} ...", file=sys.stderr, flush=True)
         rounds = []
         for _ in range(args.rounds):
-            rung = run_rung(name, cfg, opts, base.global_batch_size, flops, peaks, loader_cache, ceilings)
+            rung = run_rung(name, cfg, opts, base.optim.global_batch_size, flops, peaks, loader_cache,
+                            ceilings)
             if "failed" in rung:  # it does not train: nothing to compare, nothing to repeat
                 break
             # right after the rung: the same state of the process and machine
             if not args.no_bare:
-                bare.append(bare_loop(base, base.global_batch_size, opts, flops, peaks, *bare_key(cfg)))
+                bare.append(bare_loop(base, base.optim.global_batch_size, opts, flops, peaks, *bare_key(cfg)))
                 if "failed" not in bare[-1]:
                     rung["bare_samples_per_sec"] = bare[-1]["samples_per_sec"]
                     rung["vs_bare"] = rung["samples_per_sec"] / bare[-1]["samples_per_sec"]
@@ -881,7 +883,7 @@ def best_rung(rungs: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, names, base = checked_args(argv)
-    batch = base.global_batch_size
+    batch = base.optim.global_batch_size
     total = args.warmup + args.steps + args.profile_steps
     ensure_data(base, max(256, (total + args.loader_batches + 2) * batch))
     dev.set_cpu_threads(1)

@@ -133,7 +133,7 @@ def build(cfg, setting: dict[str, Any], timeline: Timeline, group, device):
     from exercises.allreduce_grads_solution import average_gradients
     from networks.backbone import build
 
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.run.seed)
     model = build(cfg.model).to(device)
     if setting["kind"] == "after":  # the data-parallel exercise's solution
         return model, lambda: average_gradients(model, group)
@@ -172,10 +172,10 @@ def time_variant(cfg, setting: dict[str, Any], args: argparse.Namespace, group, 
 
     timeline = Timeline(device)
     model, sync = build(cfg, setting, timeline, group, device)
-    batch = max(1, cfg.global_batch_size // dist.get_world_size())
+    batch = max(1, cfg.optim.global_batch_size // dist.get_world_size())
     gen = torch.Generator().manual_seed(dist.get_rank())
-    inp = torch.randn(batch, cfg.n_in_channels, *cfg.img_size, generator=gen).to(device)
-    tar = torch.randn(batch, cfg.n_out_channels, *cfg.img_size, generator=gen).to(device)
+    inp = torch.randn(batch, cfg.model.n_in_channels, *cfg.model.img_size, generator=gen).to(device)
+    tar = torch.randn(batch, cfg.model.n_out_channels, *cfg.model.img_size, generator=gen).to(device)
     times, lines = [], []
     for step in range(args.warmup + args.steps):
         dist.barrier(group)  # every rank starts the step together
@@ -207,7 +207,8 @@ def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, cfg, worl
     params = count_parameters(build(cfg.model))
     base = rows[0]["step_ms"]
     lines = [f"Config `{args.config}` ({params / 1e6:.2f}M parameters, {4 * params / 1e6:.1f} MB of fp32 "
-             f"gradients), {world} ranks, local batch {max(1, cfg.global_batch_size // world)}; median of "
+             f"gradients), {world} ranks, local batch {max(1, cfg.optim.global_batch_size // world)}; "
+             f"median of "
              f"{args.steps} steps (forward, backward, gradient synchronisation) on rank 0.", "",
              "| variant | step ms | vs by hand | all-reduces per step |", "|---|---|---|---|"]
     for r in rows:
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_script_config(p, args)
     dev.set_cpu_threads(env.local_world_size)
     device = dev.pick_device(env.local_rank, env.local_world_size)
-    init_distributed(env, device, cfg.collective_timeout_s, cfg.rendezvous_timeout_s)
+    init_distributed(env, device, cfg.layout.collective_timeout_s, cfg.layout.rendezvous_timeout_s)
     rows = []
     for name, setting in variants(args):
         rows.append({"name": name, **setting, **time_variant(cfg, setting, args, None, device)})

@@ -68,11 +68,12 @@ class Model:
 
     @classmethod
     def from_config(cls, cfg: Any) -> Model:
-        if cfg.backbone != "vit":
+        if cfg.model.backbone != "vit":
             raise ValueError(f"the cost model's formulas are the ViT's (docs/11-cost-model.md); it has "
-                             f"none for backbone {cfg.backbone}")
-        return cls(tuple(cfg.img_size), cfg.patch_size, cfg.n_in_channels, cfg.n_out_channels, cfg.embed_dim,
-                   cfg.depth, cfg.num_heads, cfg.mlp_ratio, cfg.num_experts, cfg.moe_top_k, cfg.moe_every)
+                             f"none for backbone {cfg.model.backbone}")
+        m = cfg.model
+        return cls(tuple(m.img_size), m.patch_size, m.n_in_channels, m.n_out_channels, m.embed_dim,
+                   m.depth, m.num_heads, m.mlp_ratio, m.num_experts, m.moe_top_k, m.moe_every)
 
 
 @functools.cache
@@ -1045,10 +1046,11 @@ LAYOUT_FLAGS = ("data_parallel", "dp_shard", "tensor_parallel", "context_paralle
 def layout_from(cfg: Any, ranks: int) -> Layout:
     """The layout a run of ``cfg`` on ``ranks`` ranks trains with (its flags resolved as train.py
     resolves them)."""
-    return Layout(ranks, cfg.data_parallel, cfg.tensor_parallel, cfg.context_parallel, cfg.pipeline_parallel,
-                  cfg.expert_parallel, cfg.pipeline_schedule, cfg.num_microbatches, cfg.stages_per_rank,
-                  cfg.activation_checkpointing, cfg.global_batch_size, cfg.dp_shard,
-                  cfg.weight_stashing, cfg.sequence_parallel)
+    lay = cfg.layout
+    return Layout(ranks, lay.data_parallel, lay.tensor_parallel, lay.context_parallel, lay.pipeline_parallel,
+                  lay.expert_parallel, lay.pipeline_schedule, lay.num_microbatches, lay.stages_per_rank,
+                  cfg.memory.activation_checkpointing, cfg.optim.global_batch_size, lay.dp_shard,
+                  lay.weight_stashing, lay.sequence_parallel)
 
 
 def show(m: Model, lay: Layout, machine: dict[str, Any] | None, dtype: str) -> str:
@@ -1122,7 +1124,7 @@ def main(argv: list[str] | None = None) -> int:
         m = Model.from_config(cfg)
     except (KeyError, ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
-    args.global_batch_size = cfg.global_batch_size
+    args.global_batch_size = cfg.optim.global_batch_size
     if args.calibrate:
         return calibrate_command(args)
     if args.check:
@@ -1173,7 +1175,7 @@ def check_command(args: argparse.Namespace, m: Model, cfg: Any) -> int:
     four = [r for r in rows if r["ranks"] == 4]
     if four:
         machine = json.loads((args.out / CONSTANTS_FILE).read_text())
-        first = plan(m, 4, cfg.global_batch_size, math.inf, machine, cfg=cfg)[0]["layout"].name
+        first = plan(m, 4, cfg.optim.global_batch_size, math.inf, machine, cfg=cfg)[0]["layout"].name
         fastest = min(four, key=lambda r: r["measured_s"])["layout"]
         print(f"plan's first choice on 4 ranks: {first}; the fastest 4-rank layout measured: {fastest}")
     return 0
@@ -1202,10 +1204,10 @@ def roofline_command(args: argparse.Namespace, m: Model, machine: dict[str, Any]
 
 def freezing_command(args: argparse.Namespace, m: Model, cfg: Any) -> int:
     # a training sample is a pair (t, t + dt) within one year file: a file of T steps holds T - dt
-    samples = {"the demo data's training year (make data: 730 steps)": 730 - cfg.dt,
-               "a year of six-hourly ERA5 (1460 steps)": 1460 - cfg.dt}
-    if cfg.limit_nsamples:
-        samples[f"{args.config}'s limit_nsamples"] = cfg.limit_nsamples
+    samples = {"the demo data's training year (make data: 730 steps)": 730 - cfg.data.dt,
+               "a year of six-hourly ERA5 (1460 steps)": 1460 - cfg.data.dt}
+    if cfg.data.limit_nsamples:
+        samples[f"{args.config}'s limit_nsamples"] = cfg.data.limit_nsamples
     print(f"{args.config}, batch {args.global_batch_size}:")
     print(freezing_table(m, args.global_batch_size, samples))
     return 0

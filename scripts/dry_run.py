@@ -284,14 +284,15 @@ def static_stage_shapes(cfg: Any, local_batch: int) -> contextlib.AbstractContex
     from utils import device as dev
 
     original = pipelining.PipelineStage
-    micro = local_batch // cfg.num_microbatches
-    tokens = (cfg.img_size[0] // cfg.patch_size) * (cfg.img_size[1] // cfg.patch_size) // cfg.context_parallel
-    amp = "none" if cfg.data_parallel in ("fsdp", "hsdp") else cfg.amp_mode  # FSDP's policy casts itself
+    micro = local_batch // cfg.layout.num_microbatches
+    (h, w), p = cfg.model.img_size, cfg.model.patch_size
+    tokens = (h // p) * (w // p) // cfg.layout.context_parallel
+    amp = "none" if cfg.layout.sharded else cfg.optim.amp_mode  # FSDP's policy casts itself
 
     def stage(submodule: torch.nn.Module, stage_index: int, num_stages: int, device: Any, *args: Any,
               **kwargs: Any) -> Any:
-        shape = (micro, cfg.n_in_channels, *cfg.img_size) if stage_index == 0 \
-            else (micro, tokens, cfg.embed_dim)
+        shape = (micro, cfg.model.n_in_channels, *cfg.model.img_size) if stage_index == 0 \
+            else (micro, tokens, cfg.model.embed_dim)
         example = torch.empty(shape, device=device, requires_grad=stage_index > 0)  # tokens: a gradient back
         with dev.autocast(torch.device(device), amp):  # (with autograd: the output needs a gradient)
             out = submodule(example)
@@ -389,11 +390,11 @@ def layouts_of(cfg: Any, ranks: int, per_node: int) -> dict[str, list[list[int]]
     computed without a process group (distributed/mesh.py)."""
     from distributed import mesh as meshes
 
-    layouts = meshes.group_layouts(ranks, meshes.requested_sizes(cfg.layout), cfg.parallel_order)
-    sizes = meshes.check_sizes(ranks, meshes.requested_sizes(cfg.layout), cfg.parallel_order)
-    if cfg.expert_parallel > 1:
-        layouts.update(meshes.expert_layouts(ranks, sizes, "-".join(sizes), cfg.expert_parallel))
-    if cfg.data_parallel == "hsdp":
+    layouts = meshes.group_layouts(ranks, meshes.requested_sizes(cfg.layout), cfg.layout.parallel_order)
+    sizes = meshes.check_sizes(ranks, meshes.requested_sizes(cfg.layout), cfg.layout.parallel_order)
+    if cfg.layout.expert_parallel > 1:
+        layouts.update(meshes.expert_layouts(ranks, sizes, "-".join(sizes), cfg.layout.expert_parallel))
+    if cfg.layout.hsdp:
         shard = meshes.hsdp_shard(cfg.layout, sizes[meshes.DATA], per_node)
         layouts.update(meshes.hsdp_layouts(ranks, shard))
     layouts["world"] = [list(range(ranks))]
@@ -420,7 +421,7 @@ def play(job: Job, rank: int, checkpoint: bool = True) -> RankReport:
     check_torch()
     parsed = arg_parser().parse_args(job.args)
     cfg = resolve_config(parsed)
-    if cfg.enable_jit:  # compile's graphs are not traced here (its fused kernels keep less)
+    if cfg.optim.enable_jit:  # compile's graphs are not traced here (its fused kernels keep less)
         cfg = cfg.replace(enable_jit=False)
     sizes, local_batch = check_layout(cfg, parsed.config, job.entry == "train_mp.py", job.ranks, job.per_node)
     step = step_for(cfg, EagerStep)
@@ -443,14 +444,14 @@ def play(job: Job, rank: int, checkpoint: bool = True) -> RankReport:
         backends = (*mappings.REDUCE_SCATTER_BACKENDS, "fake")  # the fake group reduce-scatters as NCCL
         shims.enter_context(mock.patch.object(mappings, "REDUCE_SCATTER_BACKENDS", backends))  # as NCCL
         shims.enter_context(mock.patch.object(experts, "host_counts", lambda counts, total: balanced(
-            len(counts) // 2, cfg.expert_parallel, mesh.coords.get("ep", 0), total)))
+            len(counts) // 2, cfg.layout.expert_parallel, mesh.coords.get("ep", 0), total)))
         shims.enter_context(mock.patch.object(sharding, "hsdp_mesh", real_tensors(sharding.hsdp_mesh)))
         shims.enter_context(mock.patch.dict(os.environ, LOCAL_WORLD_SIZE=str(job.per_node)))  # HSDP's groups
         if job.ranks == 1:  # Module.to_empty swaps each meta tensor for a fake one, which fake
             # tensors refuse; the parallel path's allocation makes new parameters instead
             shims.enter_context(mock.patch.object(torch.nn.Module, "to_empty", allocated))
         shims.callback(dist.destroy_process_group)
-        mesh = meshes.build_mesh(meshes.requested_sizes(cfg.layout), cfg.parallel_order, "cpu")
+        mesh = meshes.build_mesh(meshes.requested_sizes(cfg.layout), cfg.layout.parallel_order, "cpu")
         shims.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         recorder = StepRecorder(layouts)
         kind_of, step_collectives = record_step(cfg, job, rank, mesh, local_batch, step, recorder, checkpoint)
@@ -491,8 +492,8 @@ def record_step(cfg: Any, job: Job, rank: int, mesh: Any, local_batch: int, step
             return [p for group in optimizer.param_groups for p in group["params"]]
 
         with resizes_seen(recorder), recorder:
-            inp = torch.empty((local_batch, cfg.n_in_channels, *cfg.img_size), device=device)
-            tar = torch.empty((local_batch, cfg.n_out_channels, *cfg.img_size), device=device)
+            inp = torch.empty((local_batch, cfg.model.n_in_channels, *cfg.model.img_size), device=device)
+            tar = torch.empty((local_batch, cfg.model.n_out_channels, *cfg.model.img_size), device=device)
             # the batch is on the device where the rank's stages read it (a pipeline's first stage
             # the input, its last the target: training/pipelined.py), else in host memory
             if not getattr(trainer.model, "is_first", True):
@@ -509,14 +510,14 @@ def record_step(cfg: Any, job: Job, rank: int, mesh: Any, local_batch: int, step
                 hook.remove()
             done = len(recorder.collectives)
             recorder.step_events = len(recorder.events)
-            if checkpoint and cfg.pipeline_parallel == 1:  # (a pipeline gathers pickled tensors)
+            if checkpoint and cfg.layout.pipeline_parallel == 1:  # (a pipeline gathers pickled tensors)
                 trainer.model_state()  # a checkpoint's gather of the weights
     return kind_of, done
 
 
 def refuse(cfg: Any, step: type) -> None:
     """The layouts the dry run cannot play, in one line each."""
-    if cfg.engine == "deepspeed":
+    if cfg.layout.engine == "deepspeed":
         raise ValueError("DeepSpeed's engine runs its own kernels and communication, which fake tensors "
                          "do not reach: dry-run its native equivalent (--data_parallel zero1 or fsdp)")
 
@@ -541,15 +542,15 @@ def prediction(cfg: Any, sizes: dict[str, int], local_batch: int, per_node: int,
     """The cost model's memory and collective bytes of the rank at ``coords``."""
     from distributed import mesh as meshes
 
-    mode = cfg.data_parallel
+    mode = cfg.layout.data_parallel
     dp = sizes[meshes.DATA]
     shard = meshes.hsdp_shard(cfg.layout, dp, per_node) if mode == "hsdp" else 0  # 0: resolved per node
     lay = replace(cm.layout_from(cfg, math.prod(sizes.values())), batch=local_batch * dp, dp_shard=shard)
     m = cm.Model.from_config(cfg)
-    dtype = "float32" if cfg.amp_mode == "none" else "bfloat16"
+    dtype = "float32" if cfg.optim.amp_mode == "none" else "bfloat16"
     memory = cm.memory(m, lay, coords.get("pp", 0), coords.get("dp", 0), dtype=dtype)
     coll: dict[tuple[str, str], int] = {}
-    element = 2 if cfg.grad_compression in ("bf16", "fp16") else cm.E
+    element = 2 if cfg.layout.grad_compression in ("bf16", "fp16") else cm.E
     # the cost model's names of FSDP's group (all of dp) and of HSDP's all-reduce (across the groups)
     named = {"dp_shard": "dp" if mode == "fsdp" else "dp_shard",
              "dp": "dp_replicate" if mode == "hsdp" else "dp"}

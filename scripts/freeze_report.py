@@ -72,7 +72,7 @@ def train(cfg: Config, run_dir: Path, init: Path | None = None) -> tuple[list[di
     device = torch.device("cuda", 0) if dev.cuda_available() else torch.device("cpu")
     clock = StepClock(device, init)
     step = step_for(cfg, EagerStep)
-    Trainer(cfg, RunContext(device=device, run_dir=run_dir), cfg.global_batch_size, step=step,
+    Trainer(cfg, RunContext(device=device, run_dir=run_dir), cfg.optim.global_batch_size, step=step,
             callbacks=[clock]).fit()
     return clock.steps, read_metrics(run_dir)
 
@@ -85,7 +85,7 @@ def step_times(args: argparse.Namespace) -> list[dict[str, Any]]:
                   num_iters=2 * args.epoch_steps, warmup=0)
     m = cm.Model.from_config(base)
     rows = []
-    for frozen in range(base.depth + 1):
+    for frozen in range(base.model.depth + 1):
         for cached in (False, True) if frozen else (False,):
             flags = {"freeze_schedule": "steps", "freeze_steps": (0,) * frozen,
                      "freeze_cache_mib": 1024.0 if cached else 0.0} if frozen else {}
@@ -119,7 +119,7 @@ def fine_tuning(args: argparse.Namespace) -> dict[str, Any]:
             clock += s["seconds"]
             s["elapsed"] = clock
         cfg = with_overrides(base, **flags)
-        order = freeze_order(cfg) if cfg.freeze_schedule != "none" else []
+        order = freeze_order(cfg) if cfg.freeze.freeze_schedule != "none" else []
         out[name] = {"steps": steps, "order": order,
                      "epochs": [{"step": r["step"], "val_loss": r["val_loss"],
                                  "frozen_blocks": r.get("frozen_blocks")} for r in records]}

@@ -422,9 +422,10 @@ def check_data(ctx: Context) -> dict[str, Any]:
 
 
 def describe_model(cfg: Any) -> str:
-    h, w = cfg.img_size
-    return (f"ViT embed {cfg.embed_dim}, depth {cfg.depth}, {cfg.num_heads} heads, patch {cfg.patch_size} "
-            f"on {h} x {w}, batch {cfg.global_batch_size}")
+    m = cfg.model
+    h, w = m.img_size
+    return (f"ViT embed {m.embed_dim}, depth {m.depth}, {m.num_heads} heads, patch {m.patch_size} "
+            f"on {h} x {w}, batch {cfg.optim.global_batch_size}")
 
 
 # ---------------------------------------------------------- train vs graph ---

@@ -39,7 +39,7 @@ def range_test(cfg, steps: int, lr_min: float, lr_max: float, out: Path) -> dict
     from utils import device as dev
 
     device = dev.pick_device(0, 1)
-    trainer = Trainer(cfg, RunContext(device=device, run_dir=out / "run"), cfg.global_batch_size)
+    trainer = Trainer(cfg, RunContext(device=device, run_dir=out / "run"), cfg.optim.global_batch_size)
     growth = (lr_max / lr_min) ** (1.0 / max(1, steps - 1))
     trainer.set_lr_factor(lambda i: growth ** i)
 
@@ -56,8 +56,8 @@ def range_test(cfg, steps: int, lr_min: float, lr_max: float, out: Path) -> dict
             reason = f"diverged at lr {lr:.3g} (step {len(lrs)})"
             break
     if not lrs:
-        raise ValueError(f"the training data holds fewer samples than one batch of {cfg.global_batch_size}; "
-                         f"use a smaller --global_batch_size or more data")
+        raise ValueError(f"the training data holds fewer samples than one batch of "
+                         f"{cfg.optim.global_batch_size}; use a smaller --global_batch_size or more data")
     finite = [i for i, v in enumerate(smoothed) if math.isfinite(v)]
     lowest = min(finite, key=lambda i: smoothed[i])
     return {"lr": lrs, "loss": losses, "smoothed": smoothed, "stopped": reason,
@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         p.exit(2, f"error: {err}\n")
     (out / "lr_range.json").write_text(json.dumps(result))
     plot(result, out / "lr_range.png",
-         f"learning-rate range test: {args.config}, batch {cfg.global_batch_size}, {cfg.optimizer_type}")
+         f"learning-rate range test: {args.config}, batch {cfg.optim.global_batch_size}, "
+         f"{cfg.optim.optimizer_type}")
     print(f"{result['stopped']}; the smoothed loss was lowest at lr {result['lowest_at_lr']:.3g}")
     print(f"suggested lr: {result['suggested_lr']:.3g} (a tenth of that)")
     print(f"wrote {out / 'lr_range.json'} and {out / 'lr_range.png'}")

@@ -61,7 +61,7 @@ def worker(argv: list[str]) -> int:
             # the ranks start the step together: their clocks line up. Not the asynchronous
             # pipeline's, whose stages do not wait for each other between steps: its clocks are
             # lined up once, at the first step
-            again = trainer.cfg.pipeline_schedule != ASYNC
+            again = trainer.cfg.layout.pipeline_schedule != ASYNC
             if again or not self.steps:
                 dist.barrier()
             self.events.clear()

@@ -41,7 +41,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     cfg = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in FIELDS})
     last = json.loads(metrics.read_text().splitlines()[-1])
     return {"name": name, "run_dir": str(run_dir), "parameters": count_parameters(build(cfg.model)),
-            "embed_dim": cfg.embed_dim, "depth": cfg.depth, "step": last["step"],
+            "embed_dim": cfg.model.embed_dim, "depth": cfg.model.depth, "step": last["step"],
             "val_loss": last["val_loss"],
             "rmse": sum(last["rmse"].values()) / len(last["rmse"]),
             "persistence": sum(last["persistence"].values()) / len(last["persistence"])}

@@ -99,14 +99,14 @@ def activation_bytes(cfg, local_batch: int, checkpointing: str) -> float:
     34 s h bytes per block per sample without the attention matrix (fused attention kernels do
     not store it); full recomputation keeps only each block's input (2 s h) plus one block's
     activations while it is recomputed; selective recomputes every other block."""
-    tokens = (cfg.img_size[0] // cfg.patch_size) * (cfg.img_size[1] // cfg.patch_size)
-    per_block = 34.0 * tokens * cfg.embed_dim * local_batch
-    block_input = 2.0 * tokens * cfg.embed_dim * local_batch
+    tokens = (cfg.model.img_size[0] // cfg.model.patch_size) * (cfg.model.img_size[1] // cfg.model.patch_size)
+    per_block = 34.0 * tokens * cfg.model.embed_dim * local_batch
+    block_input = 2.0 * tokens * cfg.model.embed_dim * local_batch
     if checkpointing == "full":
-        return cfg.depth * block_input + per_block
+        return cfg.model.depth * block_input + per_block
     if checkpointing == "selective":  # blocks 0, 2, 4, ... recomputed
-        return math.ceil(cfg.depth / 2) * block_input + (cfg.depth // 2 + 1) * per_block
-    return cfg.depth * per_block
+        return math.ceil(cfg.model.depth / 2) * block_input + (cfg.model.depth // 2 + 1) * per_block
+    return cfg.model.depth * per_block
 
 
 def fits_table(configs: list[str], yaml: str) -> list[str]:
@@ -119,7 +119,7 @@ def fits_table(configs: list[str], yaml: str) -> list[str]:
         cfg = load_config(yaml, name)
         _, params = build_on_meta(cfg.model)
         for ranks in (4, 64):
-            local = max(1, cfg.global_batch_size // ranks)
+            local = max(1, cfg.optim.global_batch_size // ranks)
             for ac in ("none", "full"):
                 cells = []
                 for mode in MODES:

@@ -23,8 +23,9 @@ MAX_LINES = 450
 # key is declared once, in its group, with its help text and the group's own checks (trainer.py's
 # 5 lines more: a run that changes its layout as blocks freeze, part 12, asks the step variant
 # before each step; 15 more: run_steps, the loop the range test and the batch-scaling study
-# drive; config_groups.py's 60: part 12's freezing group, part 13's pipeline keys, 1-bit Adam)
-LONGER = {"training/trainer.py": 590, "utils/config_groups.py": 560}
+# drive; config_groups.py's 85: part 12's freezing group, part 13's pipeline keys, 1-bit Adam,
+# whether a resumed run may change each key, data_parallel's modes as properties)
+LONGER = {"training/trainer.py": 590, "utils/config_groups.py": 585}
 # the one module allowed to use torch's private names (each use guarded and explained there)
 COMPAT_MODULE = "utils/compat.py"
 # private-looking names of the standard library that are documented public API
@@ -146,6 +147,52 @@ def test_a_trainer_write_is_found():
               "t.loss.fill_(0)\n")
     assert trainer_writes(source) == ["line 1: t.model", "line 2: trainer.step",
                                       "line 3: self.trainer.scheduler", "line 4: trainer.?"]
+
+
+CONFIG_NAMES = {"cfg", "config", "base"}  # how the library names a whole configuration (Config)
+
+
+def flat_config_reads(source: str) -> list[str]:
+    """Reads of a key through the whole configuration (``cfg.lr``, ``self.cfg.depth``) instead of
+    its group (``cfg.optim.lr``): each as 'line N: cfg.lr'. A ``cfg`` annotated as a group
+    (``cfg: ModelConfig``) reads its own keys."""
+    from utils.config_groups import GROUPS, KEY_GROUP
+
+    groups = {g.__name__ for g in GROUPS.values()}
+    found = []
+
+    def visit(node: ast.AST, group_names: frozenset[str]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            named = {a.arg: a.annotation is not None and ast.unparse(a.annotation) in groups for a in args
+                     if a.arg in CONFIG_NAMES}
+            group_names = frozenset({n for n in group_names if n not in named}
+                                    | {n for n, g in named.items() if g})
+        if isinstance(node, ast.Attribute) and node.attr in KEY_GROUP:
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in CONFIG_NAMES - group_names or \
+                    isinstance(owner, ast.Attribute) and owner.attr == "cfg":
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, group_names)
+
+    visit(ast.parse(source), frozenset())
+    return found
+
+
+def test_the_library_reads_the_configuration_by_its_groups():
+    """Code reads a key where it is declared (``cfg.optim.lr``, ``cfg.layout.pipeline_parallel``),
+    so a reader sees which part of the run it belongs to; the flags and YAML keys stay flat."""
+    found = [f"{path.relative_to(REPO)} {r}" for path in tracked_python_files()
+             if path.parts[len(REPO.parts)] != "tests" for r in flat_config_reads(path.read_text())]
+    assert not found, found
+
+
+def test_a_flat_config_read_is_found():
+    source = ("a = cfg.lr + cfg.optim.lr\nb = self.cfg.depth\n"
+              "def f(cfg: ModelConfig):\n    return cfg.depth\n"
+              "def g(cfg: Config):\n    return cfg.depth\n")
+    assert flat_config_reads(source) == ["line 1: cfg.lr", "line 2: self.cfg.depth", "line 6: cfg.depth"]
 
 
 VIT_LAYERS = {"blocks", "attn", "mlp", "fc1", "fc2", "patch_embed", "pos_embed", "head"}

@@ -38,15 +38,16 @@ def run_dir_of(cfg: Config, args: argparse.Namespace, world: int) -> Path:
 def ignored_flags(cfg: Config) -> list[str]:
     """The train.py flags set away from their defaults that no mode here reads: each worker trains
     the serial model, in fp32 or bf16, one batch per update, unclipped."""
-    kept = {"--tensor_parallel": cfg.tensor_parallel == 1, "--context_parallel": cfg.context_parallel == 1,
-            "--pipeline_parallel": cfg.pipeline_parallel == 1, "--expert_parallel": cfg.expert_parallel == 1,
-            "--data_parallel": cfg.data_parallel == "ddp", "--engine": cfg.engine == "native",
-            "--grad_compression": cfg.grad_compression == "none",
-            "--freeze_schedule": cfg.freeze_schedule == "none",
-            "--grad_accum_steps": cfg.grad_accum_steps == 1,
-            "--grad_clip_norm": cfg.grad_clip_norm == 0, "--enable_jit": not cfg.enable_jit,
-            "--activation_checkpointing": cfg.activation_checkpointing == "none",
-            "--amp_mode fp16": cfg.amp_mode != "fp16"}
+    lay = cfg.layout
+    kept = {"--tensor_parallel": lay.tensor_parallel == 1, "--context_parallel": lay.context_parallel == 1,
+            "--pipeline_parallel": lay.pipeline_parallel == 1, "--expert_parallel": lay.expert_parallel == 1,
+            "--data_parallel": lay.replicated, "--engine": lay.engine == "native",
+            "--grad_compression": lay.grad_compression == "none",
+            "--freeze_schedule": cfg.freeze.freeze_schedule == "none",
+            "--grad_accum_steps": cfg.memory.grad_accum_steps == 1,
+            "--grad_clip_norm": cfg.optim.grad_clip_norm == 0, "--enable_jit": not cfg.optim.enable_jit,
+            "--activation_checkpointing": cfg.memory.activation_checkpointing == "none",
+            "--amp_mode fp16": cfg.optim.amp_mode != "fp16"}
     return [flag for flag, default in kept.items() if not default]
 
 
@@ -60,17 +61,17 @@ def check(cfg: Config, args: argparse.Namespace, world: int) -> None:
     if not launched and world > 1:
         raise ValueError(f"--mode {args.mode} starts its own processes: run it with python, not torchrun")
     workers = {"server": world - 1, "ddp": world, "delayed": 1}.get(args.mode, args.workers)
-    if workers < 1 or cfg.global_batch_size % workers:
-        raise ValueError(f"global_batch_size {cfg.global_batch_size} does not split over {workers} "
+    if workers < 1 or cfg.optim.global_batch_size % workers:
+        raise ValueError(f"global_batch_size {cfg.optim.global_batch_size} does not split over {workers} "
                          f"worker(s); choose a number of workers that divides it")
     if args.staleness < 0 or args.log_every < 1 or not 0 <= args.slow_ms < math.inf:
         raise ValueError("--staleness and --slow_ms must be 0 or more, --log_every at least 1")
     if args.staleness and args.mode != "delayed":
         raise ValueError(f"--staleness sets the delayed mode's fixed staleness; --mode {args.mode} has the "
                          f"staleness its timing gives: leave it out")
-    if args.mode == "delayed" and args.staleness >= cfg.num_iters:
-        raise ValueError(f"--staleness {args.staleness} is not below the run's {cfg.num_iters} updates: "
-                         f"every gradient would be at the first weights")
+    if args.mode == "delayed" and args.staleness >= cfg.optim.num_iters:
+        raise ValueError(f"--staleness {args.staleness} is not below the run's {cfg.optim.num_iters} "
+                         f"updates: every gradient would be at the first weights")
     if getattr(args, "checkpoint_every", None) and args.mode in ("ddp", "delayed"):  # given, not configured
         raise ValueError(f"--checkpoint_every: --mode {args.mode} keeps no checkpoint (the server and "
                          f"Hogwild do); leave it out")
@@ -86,6 +87,6 @@ def check(cfg: Config, args: argparse.Namespace, world: int) -> None:
     if unused:
         raise ValueError(f"scripts/async_sgd.py trains the serial model in each worker: {', '.join(unused)} "
                          f"would be ignored; leave {'it' if len(unused) == 1 else 'them'} out")
-    data = Path(cfg.data_dir) / "train"
+    data = Path(cfg.data.data_dir) / "train"
     if not data.is_dir():
         raise ValueError(f"{data} does not exist: pass --data_dir, the folder with train/, valid/ and stats/")

@@ -161,10 +161,10 @@ def records(updates: list[dict[str, Any]], samples_per_update: int, every: int) 
 def finish(cfg: Config, args: argparse.Namespace, run_dir: Path, model: torch.nn.Module,
            updates: list[dict[str, Any]], samples_per_update: int) -> None:
     """Validate the final weights; write weights.pt, then metrics.jsonl (atomically, last)."""
-    loader, _, _ = get_data_loader(cfg, "valid", cfg.global_batch_size, False)
+    loader, _, _ = get_data_loader(cfg, "valid", cfg.optim.global_batch_size, False)
     model.eval()
-    weights = latitude_weights(cfg.img_size[0], torch.device("cpu"))
-    channels = channel_names(cfg.data_dir, cfg.n_in_channels)[: cfg.n_out_channels]
+    weights = latitude_weights(cfg.model.img_size[0], torch.device("cpu"))
+    channels = channel_names(cfg.data.data_dir, cfg.model.n_in_channels)[: cfg.model.n_out_channels]
     val = validation.evaluate(model, iter(loader), channels, weights)
     rows = records(updates, samples_per_update, args.log_every)
     by_worker: dict[str, int] = {}

@@ -60,7 +60,8 @@ class AsyncPipelineStep(PipelineStep):
         super().check(cfg, ctx, local_batch)
         if ctx is not None and ctx.mesh.dp_size > 1:  # ctx None: the launcher's check before the mesh
             raise ValueError(f"the async_1f1b schedule runs one pipeline here, not {ctx.mesh.dp_size} side "
-                             f"by side; start as many ranks as --pipeline_parallel {cfg.pipeline_parallel}")
+                             f"by side; start as many ranks as --pipeline_parallel "
+                             f"{cfg.layout.pipeline_parallel}")
 
     def stage_layout(self) -> dict[str, Any]:
         """PipelineStep.build_model's stages, run by this module's schedule instead of torch's."""
@@ -73,7 +74,7 @@ class AsyncPipelineStep(PipelineStep):
         model.update = self.stage_update
         engine = model.engine
         log.info("asynchronous 1F1B, weight_stashing %s: stage %d keeps %d micro-batch(es) in flight "
-                 "beyond the newest", self.trainer.cfg.weight_stashing, engine.stage, engine.depth)
+                 "beyond the newest", self.trainer.cfg.layout.weight_stashing, engine.stage, engine.depth)
         return model
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
@@ -97,7 +98,7 @@ class AsyncPipelineStep(PipelineStep):
     def drains_after(self, done: int) -> bool:
         """The pipeline drains after ``done`` steps: every ``--async_drain_every`` and at the end."""
         cfg = self.trainer.cfg
-        return done % cfg.async_drain_every == 0 or done >= cfg.num_iters
+        return done % cfg.layout.async_drain_every == 0 or done >= cfg.optim.num_iters
 
     def may_stop_after(self, done: int) -> bool:
         """Training stops for a signal only where the pipeline drains (a drain elsewhere would change
@@ -105,9 +106,9 @@ class AsyncPipelineStep(PipelineStep):
         if not self.drains_after(done) and not self.stop_deferred:
             self.stop_deferred = True
             cfg = self.trainer.cfg
-            every = cfg.async_drain_every
+            every = cfg.layout.async_drain_every
             log.warning("stop signal at step %d: the asynchronous pipeline stops where it next drains, "
-                        "at step %d", done, min(cfg.num_iters, -(-done // every) * every))
+                        "at step %d", done, min(cfg.optim.num_iters, -(-done // every) * every))
         return self.drains_after(done)
 
     def loss_read_after(self, done: int) -> bool:
@@ -115,7 +116,7 @@ class AsyncPipelineStep(PipelineStep):
         checkpoint, the last step, and where a stop signal can end training (the stop agreement
         asks every ``stop_check_every`` steps and reads the answer a step later)."""
         cfg = self.trainer.cfg
-        every = cfg.stop_check_every
+        every = cfg.run.stop_check_every
         return (done % self.trainer.train_data.batches_per_epoch == 0 or self.drains_after(done)
                 or every == 1 or done % every == 1)
 

@@ -73,12 +73,12 @@ CPU = torch.device("cpu")
 def build_model(cfg: Config) -> Backbone:
     """The serial model with the weights every run of the course starts from."""
     model = build(cfg.model)
-    model.reset_parameters(torch.Generator().manual_seed(cfg.seed))
+    model.reset_parameters(torch.Generator().manual_seed(cfg.run.seed))
     return model
 
 
 def make_optimizer(cfg: Config, params: Any) -> tuple[torch.optim.Optimizer, Any]:
-    optimizer_class, options = optimizer_choice(cfg, dev.adam_kernel(cfg.enable_fused))
+    optimizer_class, options = optimizer_choice(cfg, dev.adam_kernel(cfg.optim.enable_fused))
     optimizer = optimizer_class(params, **options)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, make_lr_lambda(cfg.optim))
 
@@ -102,14 +102,15 @@ class Worker:
 
     def __init__(self, cfg: Config, model: torch.nn.Module, data: Iterator[Any], slow_s: float = 0.0) -> None:
         self.cfg, self.model, self.data, self.slow_s = cfg, model, data, slow_s
-        dtype = dev.AMP_DTYPES[cfg.amp_mode] or torch.float32
-        self.kernel = attention.choose(cfg.attention_kernel, CPU, dtype, attention.call_shape(cfg, 1)[1])
+        dtype = dev.AMP_DTYPES[cfg.optim.amp_mode] or torch.float32
+        self.kernel = attention.choose(cfg.optim.attention_kernel, CPU, dtype,
+                                       attention.call_shape(cfg, 1)[1])
 
     def gradient(self) -> float:
         inp, tar = next(self.data)
         if self.slow_s:  # a straggler, on purpose
             time.sleep(self.slow_s)
-        with dev.autocast(CPU, self.cfg.amp_mode), attention.kernel(self.kernel):
+        with dev.autocast(CPU, self.cfg.optim.amp_mode), attention.kernel(self.kernel):
             pred = self.model(inp)
         loss = relative_l2_loss(pred.float(), tar)
         loss.backward()
@@ -147,15 +148,15 @@ def hogwild_worker(cfg: Config, model: Backbone, rank: int, workers: int, lock: 
     if begin[0] is not None:
         optimizer.load_state_dict(begin[0])
     factor = make_lr_lambda(cfg.optim)
-    data = batches(cfg, cfg.global_batch_size // workers, workers, rank, begin[1])
+    data = batches(cfg, cfg.optim.global_batch_size // workers, workers, rank, begin[1])
     worker = Worker(cfg, model, data, slow_s)
     ready.wait()  # every worker set up: the clock starts
     while os.getppid() == parent:  # a worker whose parent was killed stops
         with count.get_lock():
             number = count.value
-            if number >= cfg.num_iters:
+            if number >= cfg.optim.num_iters:
                 break
-            due = pause.due(number, cfg.num_iters)
+            due = pause.due(number, cfg.optim.num_iters)
             count.value += 0 if due else 1
         if due:  # a checkpoint: every worker waits here until the parent has the weights
             pause.send(results, rank, optimizer, number)
@@ -163,7 +164,7 @@ def hogwild_worker(cfg: Config, model: Backbone, rank: int, workers: int, lock: 
                 return
             continue
         for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * factor(number)
+            group["lr"] = cfg.optim.lr * factor(number)
         loss = worker.gradient()
         with lock or contextlib.nullcontext():
             optimizer.step()
@@ -183,8 +184,8 @@ def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
     begun = state.updates if state else 0
     count, results, ready = ctx.Value("i", begun), ctx.Queue(), ctx.Barrier(args.workers + 1)
     folder = tempfile.TemporaryDirectory()  # the workers' optimizer states at a checkpoint
-    pause = saves.HogwildPause(ctx, cfg.checkpoint_every, args.workers, begun, cfg.collective_timeout_s,
-                               Path(folder.name))
+    pause = saves.HogwildPause(ctx, cfg.run.checkpoint_every, args.workers, begun,
+                               cfg.layout.collective_timeout_s, Path(folder.name))
     begins = [(state.optimizers[w], state.drawn(w)) if state else (None, 0) for w in range(args.workers)]
     # daemons: a worker left stopped or hung never keeps this process from ending
     procs = [ctx.Process(target=hogwild_worker, daemon=True, args=(
@@ -194,15 +195,15 @@ def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
         p.start()
     log.info("hogwild workers' pids: %s", " ".join(str(p.pid) for p in procs))
     try:
-        ready.wait(timeout=cfg.collective_timeout_s)
+        ready.wait(timeout=cfg.layout.collective_timeout_s)
     except threading.BrokenBarrierError:  # a worker did not get ready in time
-        return give_up(procs, {}, cfg.collective_timeout_s, "before the first update")
+        return give_up(procs, {}, cfg.layout.collective_timeout_s, "before the first update")
     start = time.perf_counter() - (state.log[-1]["seconds"] if state else 0.0)
     heard = dict.fromkeys(range(len(procs)), time.monotonic())  # each worker's last message
     done = list(state.log) if state else []  # {"trainer", "loss", "seconds"} per update, as they came
     states: dict[int, dict] = {}  # the workers' optimizers at a checkpoint
-    limit = cfg.collective_timeout_s
-    while len(done) < cfg.num_iters or any(p.is_alive() for p in procs):
+    limit = cfg.layout.collective_timeout_s
+    while len(done) < cfg.optim.num_iters or any(p.is_alive() for p in procs):
         try:
             item = results.get(timeout=min(1.0, limit))
         except queue.Empty:
@@ -216,10 +217,10 @@ def run_hogwild(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
             done.append({"trainer": item[0], "loss": item[1], "seconds": item[2] - start})
         now = time.monotonic()  # a worker that died, or has been silent for the timeout (stopped, hung)
         stuck = [w for w, p in enumerate(procs) if p.exitcode is None and now - heard[w] > limit]
-        lost = item is None and len(done) < cfg.num_iters and not any(p.is_alive() for p in procs)
+        lost = item is None and len(done) < cfg.optim.num_iters and not any(p.is_alive() for p in procs)
         if stuck or lost or any(p.exitcode not in (None, 0) for p in procs):
             return give_up(procs, heard, limit, f"after {len(done)} updates")
-    saves.finish(cfg, args, run_dir, model, done, cfg.global_batch_size // args.workers)
+    saves.finish(cfg, args, run_dir, model, done, cfg.optim.global_batch_size // args.workers)
     return 0
 
 
@@ -272,11 +273,11 @@ def run_ddp(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
     model = build_model(cfg)
     ddp = DistributedDataParallel(model)  # averages the gradients over the ranks in backward
     optimizer, scheduler = make_optimizer(cfg, model.parameters())
-    local = cfg.global_batch_size // world
+    local = cfg.optim.global_batch_size // world
     worker = Worker(cfg, ddp, batches(cfg, local, world, rank), slow(args, rank))
     dist.barrier()  # every rank set up: the clock starts
     start, updates = time.perf_counter(), []
-    for _ in range(cfg.num_iters):
+    for _ in range(cfg.optim.num_iters):
         loss = torch.tensor(worker.gradient())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -284,7 +285,7 @@ def run_ddp(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
         updates.append({"trainer": rank, "loss": all_reduce_sum(loss).item() / world,
                         "seconds": time.perf_counter() - start})
     if rank == 0:  # one update of the global batch per step
-        saves.finish(cfg, args, run_dir, model, updates, cfg.global_batch_size)
+        saves.finish(cfg, args, run_dir, model, updates, cfg.optim.global_batch_size)
     return 0
 
 
@@ -296,7 +297,7 @@ def run_server(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
     if state is not None:
         model.load_state_dict(state.weights)
     params = list(model.parameters())
-    local = cfg.global_batch_size // len(trainers)
+    local = cfg.optim.global_batch_size // len(trainers)
     if rank != 0:
         data = batches(cfg, local, len(trainers), rank - 1, state.drawn(rank) if state else 0)
         worker = Worker(cfg, model, data, slow(args, rank))
@@ -332,12 +333,13 @@ def run_server(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
         return parameters_to_vector(params).detach()
 
     def after(updates: int, received: list[param_server.Update]) -> None:
-        if cfg.checkpoint_every and updates % cfg.checkpoint_every == 0 and updates < cfg.num_iters:
+        every = cfg.run.checkpoint_every
+        if every and updates % every == 0 and updates < cfg.optim.num_iters:
             saves.save(run_dir, saves.AsyncState(saves.weights_of(model), [optimizer.state_dict()],
                                                  [asdict(u) for u in received], scheduler.state_dict()), cfg)
 
     done = [param_server.Update(**u) for u in state.log] if state else None
-    received = param_server.serve(parameters_to_vector(params).detach(), apply, trainers, cfg.num_iters,
+    received = param_server.serve(parameters_to_vector(params).detach(), apply, trainers, cfg.optim.num_iters,
                                   done, after)
     (run_dir / "updates.json").write_text(json.dumps(
         [[u.trainer, u.version, u.staleness, u.applied] for u in received]))
@@ -356,7 +358,7 @@ def replay(cfg: Config, log_: list[tuple[int, int]], trainers: int) -> tuple[Bac
     server, at = build_model(cfg), build_model(cfg)  # the newest weights; where gradients are computed
     params, at_params = list(server.parameters()), list(at.parameters())
     optimizer, scheduler = make_optimizer(cfg, params)
-    local = cfg.global_batch_size // trainers
+    local = cfg.optim.global_batch_size // trainers
     workers = {r: Worker(cfg, at, batches(cfg, local, trainers, r - 1)) for r in {r for r, _ in log_}}
     last_use = {version: i for i, (_, version) in enumerate(log_)}
     versions = {0: parameters_to_vector(params).detach().clone()}
@@ -376,13 +378,13 @@ def replay(cfg: Config, log_: list[tuple[int, int]], trainers: int) -> tuple[Bac
 
 def run_delayed(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
     torch.set_num_threads(1)
-    made_up = [(1, max(0, t - args.staleness)) for t in range(cfg.num_iters)]
+    made_up = [(1, max(0, t - args.staleness)) for t in range(cfg.optim.num_iters)]
     start = time.perf_counter()
     model, losses = replay(cfg, made_up, trainers=1)
     seconds = (time.perf_counter() - start) / len(losses)
     updates = [{"trainer": 1, "loss": loss, "seconds": (i + 1) * seconds, "staleness": min(i, args.staleness)}
                for i, loss in enumerate(losses)]
-    saves.finish(cfg, args, run_dir, model, updates, cfg.global_batch_size)
+    saves.finish(cfg, args, run_dir, model, updates, cfg.optim.global_batch_size)
     return 0
 
 
@@ -411,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {err}\n")
         return exit_now(2)
     dev.set_cpu_threads(env.local_world_size)
-    init_distributed(env, CPU, cfg.collective_timeout_s, cfg.rendezvous_timeout_s, "gloo")
+    init_distributed(env, CPU, cfg.layout.collective_timeout_s, cfg.layout.rendezvous_timeout_s, "gloo")
     if env.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         setup_logging(0, run_dir / "out.log")

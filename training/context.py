@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from distributed.mesh import ParallelMesh
 from utils.config import Config
+
+if TYPE_CHECKING:  # the classes that hold these objects; imported for type checkers only
+    from training.trainer import Trainer
 
 
 class TrainingError(RuntimeError):
@@ -61,8 +64,9 @@ def local_batch_size(global_batch: int, dp_size: int, override: int | None = Non
 
 def check_micro_batches(cfg: Config, local_batch: int) -> None:
     """The local batch splits into the micro-batches of gradient accumulation or of a pipeline."""
-    for count, flag in ((cfg.grad_accum_steps, "--grad_accum_steps"),
-                        (cfg.num_microbatches if cfg.pipeline_parallel > 1 else 1, "--num_microbatches")):
+    for count, flag in ((cfg.memory.grad_accum_steps, "--grad_accum_steps"),
+                        (cfg.layout.num_microbatches if cfg.layout.pipeline_parallel > 1 else 1,
+                         "--num_microbatches")):
         if local_batch % count:
             raise ValueError(f"the local batch of {local_batch} samples does not split into {flag} {count} "
                              f"equal micro-batches; choose a number of micro-batches that divides it")
@@ -72,22 +76,22 @@ class Callback:
     """A script's or a test's hook into a run: override the moments you need (each does nothing
     here). The Trainer calls them in the order the callbacks were given."""
 
-    def model_built(self, trainer: Any) -> None:
+    def model_built(self, trainer: Trainer) -> None:
         """The model and optimizer exist (before any step or checkpoint load)."""
 
-    def step_start(self, trainer: Any) -> None:
+    def step_start(self, trainer: Trainer) -> None:
         """A training step is about to run on a batch already on the device (``trainer.step``
         steps are done)."""
 
-    def step_end(self, trainer: Any, loss: torch.Tensor) -> torch.Tensor | None:
+    def step_end(self, trainer: Trainer, loss: torch.Tensor) -> torch.Tensor | None:
         """The step ran (``trainer.step`` not yet counted up); ``loss`` is the device tensor it
         returned. Return a tensor to log instead (fault injection), or None."""
         return None
 
-    def epoch_end(self, trainer: Any, epoch: int) -> None:
+    def epoch_end(self, trainer: Trainer, epoch: int) -> None:
         """An epoch was trained, validated and logged."""
 
-    def fit_end(self, trainer: Any) -> None:
+    def fit_end(self, trainer: Trainer) -> None:
         """Training is over (checkpoint written); ``trainer.stopped_early`` says whether a stop
         signal ended it."""
 
@@ -95,5 +99,5 @@ class Callback:
 def needs_parallelize(cfg: Config, ctx: RunContext) -> bool:
     """Whether the serial model must go through distributed/parallelize.py: more than one rank,
     or a transformation it applies (compile, activation checkpointing, expert parallelism)."""
-    return (ctx.mesh.world_size > 1 or cfg.enable_jit or cfg.activation_checkpointing != "none"
-            or cfg.expert_parallel > 1)
+    return (ctx.mesh.world_size > 1 or cfg.optim.enable_jit or cfg.memory.activation_checkpointing != "none"
+            or cfg.layout.expert_parallel > 1)

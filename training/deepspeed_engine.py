@@ -104,19 +104,19 @@ def build_ops() -> None:
 
 def ds_config(cfg: Config, local_batch: int, dp_size: int, device: torch.device) -> dict[str, Any]:
     """DeepSpeed's configuration for this run, key by key from the project's (docs/10-deepspeed.md)."""
-    micro = local_batch // cfg.grad_accum_steps
-    zero: dict[str, Any] = {"stage": cfg.zero_stage}
-    if cfg.cpu_offload:  # ZeRO-Offload: Adam's state (and its step) in host memory
+    micro = local_batch // cfg.memory.grad_accum_steps
+    zero: dict[str, Any] = {"stage": cfg.layout.zero_stage}
+    if cfg.memory.cpu_offload:  # ZeRO-Offload: Adam's state (and its step) in host memory
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
-        if cfg.zero_stage == 3:  # ZeRO-Infinity's parameter offload: the partitions too
+        if cfg.layout.zero_stage == 3:  # ZeRO-Infinity's parameter offload: the partitions too
             zero["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
     return {
         # DeepSpeed checks that batch = micro-batch x accumulation steps x data-parallel ranks
-        "train_batch_size": micro * cfg.grad_accum_steps * dp_size,
+        "train_batch_size": micro * cfg.memory.grad_accum_steps * dp_size,
         "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": cfg.grad_accum_steps,
-        "gradient_clipping": cfg.grad_clip_norm,  # 0: no clipping (the global norm over all ranks)
-        "bf16": {"enabled": cfg.amp_mode == "bf16"},
+        "gradient_accumulation_steps": cfg.memory.grad_accum_steps,
+        "gradient_clipping": cfg.optim.grad_clip_norm,  # 0: no clipping (the global norm over all ranks)
+        "bf16": {"enabled": cfg.optim.amp_mode == "bf16"},
         "zero_optimization": zero,
         # the optimizer is torch's (sharding.build_optimizer), which ZeRO calls "untested", and
         # stays torch's when offloaded (DeepSpeedCPUAdam would be compiled on first use)
@@ -164,7 +164,7 @@ class DeepSpeedState(ModelState):
         for name, p in params.items():
             frag.safe_set_full_fp32_param(p, state[name].to(t.device, torch.float32))
             gathered = self.step.deepspeed.zero.GatheredParameters([p], modifier_rank=0,
-                                                              enabled=t.cfg.zero_stage == 3)
+                                                              enabled=t.cfg.layout.zero_stage == 3)
             with gathered, torch.no_grad():
                 p.copy_(state[name].to(p.device, p.dtype))
 
@@ -229,9 +229,10 @@ class DeepSpeedStep(EagerStep):
         cfg, ctx = trainer.cfg, trainer.ctx
         self.deepspeed = import_deepspeed()
         self.ds_config = ds_config(cfg, trainer.local_batch, ctx.dp_size, ctx.device)
-        self.input_dtype = torch.bfloat16 if cfg.amp_mode == "bf16" else None
+        self.input_dtype = torch.bfloat16 if cfg.optim.amp_mode == "bf16" else None
         log.info("DeepSpeed %s engine, ZeRO stage %d%s; its config: %s", self.deepspeed.__version__,
-                 cfg.zero_stage, " with CPU offload" if cfg.cpu_offload else "", ctx.run_dir / CONFIG_NAME)
+                 cfg.layout.zero_stage, " with CPU offload" if cfg.memory.cpu_offload else "",
+                 ctx.run_dir / CONFIG_NAME)
 
     def run_started(self) -> None:
         ctx = self.trainer.ctx
@@ -245,9 +246,9 @@ class DeepSpeedStep(EagerStep):
         """The serial model with the seed's weights, whole on every rank: DeepSpeed partitions it."""
         t = self.trainer
         serial, self.n_params = build_on_meta(t.cfg.model)
-        values = serial_values(serial, t.cfg.seed)
-        model = apply_activation_checkpointing(serial, t.cfg.activation_checkpointing)
-        if t.cfg.enable_jit:
+        values = serial_values(serial, t.cfg.run.seed)
+        model = apply_activation_checkpointing(serial, t.cfg.memory.activation_checkpointing)
+        if t.cfg.optim.enable_jit:
             for unit in model.units().values():
                 unit.compile()
         return materialize(model, t.ctx.mesh, t.device, values)
@@ -258,8 +259,8 @@ class DeepSpeedStep(EagerStep):
         partitions this rank owns), on which the project's schedule sets the learning rate."""
         t = self.trainer
         if not dist.is_initialized():  # one process: DeepSpeed still wants a process group (NCCL on a GPU)
-            dist.init_process_group(dev.backend_for(t.device, t.cfg.dist_backend), store=dist.HashStore(),
-                                    rank=0, world_size=1)
+            dist.init_process_group(dev.backend_for(t.device, t.cfg.layout.dist_backend),
+                                    store=dist.HashStore(), rank=0, world_size=1)
         os.environ.update(launcher_env(t.ctx, t.device))
         client = super().build_optimizer()
         # the param groups' format of a checkpoint this engine writes (indices, hyperparameters)
@@ -282,7 +283,7 @@ class DeepSpeedStep(EagerStep):
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         t = self.trainer
-        n = t.cfg.grad_accum_steps
+        n = t.cfg.memory.grad_accum_steps
         total = torch.zeros((), device=t.device)
         for x, y in zip(inp.chunk(n), tar.chunk(n)):
             t.mark("forward")
@@ -298,13 +299,13 @@ class DeepSpeedStep(EagerStep):
             total += loss.detach() / n
         t.scheduler.step()
         norm = t.model.get_global_grad_norm()  # before clipping; None where DeepSpeed keeps none
-        if t.cfg.grad_clip_norm and norm is not None:  # (stage 0 in fp32 clips with torch's function)
+        if t.cfg.optim.grad_clip_norm and norm is not None:  # (stage 0 in fp32 clips with torch's function)
             t.grad_norms.append(torch.as_tensor(float(norm)))
         t.record_experts()
         return total
 
     def gathers_in_forward(self) -> bool:
-        return self.trainer.cfg.zero_stage == 3  # every forward gathers parameters: ranks in lockstep
+        return self.trainer.cfg.layout.zero_stage == 3  # every forward gathers parameters: ranks in lockstep
 
     # ------------------------------------------------------------------- memory ---
     def held_bytes(self) -> dict[str, int]:
@@ -334,6 +335,6 @@ class DeepSpeedStep(EagerStep):
         """The gradients a step holds: whole at stages 0 and 1, this rank's partition at 2 and 3,
         in the weights' precision (DeepSpeed's default ``grad_accum_dtype``)."""
         numel = sum(getattr(p, "ds_numel", p.numel()) for p in self.trainer.raw_model.parameters())
-        if self.trainer.cfg.zero_stage >= 2:
+        if self.trainer.cfg.layout.zero_stage >= 2:
             numel = -(-numel // self.trainer.ctx.dp_size)
         return numel * (2 if self.input_dtype == torch.bfloat16 else 4)

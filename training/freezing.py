@@ -39,7 +39,7 @@ from distributed.tags import unwrap
 from networks.backbone import backbone_class
 from training import checkpointing
 from training.state import ModelState
-from training.trainer import EagerStep
+from training.trainer import EagerStep, Trainer
 from utils import checkpoint as ckpt
 from utils.config import Config
 
@@ -108,9 +108,9 @@ class GradNormRule:
 def freeze_order(cfg: Config) -> list[int]:
     """The blocks in the order they freeze: the earliest first, or (the control) a permutation
     drawn from the seed."""
-    if cfg.freeze_order == "first":
-        return list(range(cfg.depth))
-    return torch.randperm(cfg.depth, generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    if cfg.freeze.freeze_order == "first":
+        return list(range(cfg.model.depth))
+    return torch.randperm(cfg.model.depth, generator=torch.Generator().manual_seed(cfg.run.seed)).tolist()
 
 
 def frozen_parameter(part: str | int, blocks: Sequence[int]) -> bool:
@@ -218,7 +218,7 @@ class FreezingState:
 
     sharded = False  # FSDP is refused with freezing: always the single file
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.weights = trainer.variant.weights_class(trainer)
 
@@ -255,31 +255,31 @@ class Freezing:
     state_class = FreezingState
     weights_class: type[ModelState] = ModelState  # the variant's own model-and-optimizer part
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Trainer) -> None:
         super().__init__(trainer)
         cfg = trainer.cfg
         self.frozen = 0  # blocks frozen now
         self.decided = 0  # gradnorm: blocks frozen from the next interval on
         self.order = freeze_order(cfg)
-        self.prefix = cfg.freeze_order == "first"  # the frozen blocks lead: they run apart
-        self.rule = GradNormRule() if cfg.freeze_schedule == "gradnorm" else None
-        self.cache = ActivationCache(cfg.freeze_cache_mib) if cfg.freeze_cache_mib else None
+        self.prefix = cfg.freeze.freeze_order == "first"  # the frozen blocks lead: they run apart
+        self.rule = GradNormRule() if cfg.freeze.freeze_schedule == "gradnorm" else None
+        self.cache = ActivationCache(cfg.freeze.freeze_cache_mib) if cfg.freeze.freeze_cache_mib else None
         self.epoch_frozen: list[int] = []  # blocks frozen at each step of this epoch
         self.epoch_stages: list[list[list[int]]] = []  # and each stage's active blocks [start, stop)
-        self.start_pipeline = cfg.pipeline_parallel  # stages the run started with (repipelining)
+        self.start_pipeline = cfg.layout.pipeline_parallel  # stages the run started with (repipelining)
 
     # ------------------------------------------------------------ the schedule ---
     def every(self) -> int:
         """Steps per epoch of the formula, and per interval of the gradient test."""
-        return self.trainer.cfg.freeze_every or self.trainer.train_data.batches_per_epoch
+        return self.trainer.cfg.freeze.freeze_every or self.trainer.train_data.batches_per_epoch
 
     def scheduled(self, step: int) -> int:
         """Blocks frozen during ``step`` (0-based)."""
         cfg = self.trainer.cfg
-        if cfg.freeze_schedule == "formula":
-            return formula_frozen(cfg.depth, cfg.freeze_alpha, step // self.every())
-        if cfg.freeze_schedule == "steps":
-            return steps_frozen(cfg.freeze_steps, step)
+        if cfg.freeze.freeze_schedule == "formula":
+            return formula_frozen(cfg.model.depth, cfg.freeze.freeze_alpha, step // self.every())
+        if cfg.freeze.freeze_schedule == "steps":
+            return steps_frozen(cfg.freeze.freeze_steps, step)
         return self.decided
 
     def frozen_blocks(self, count: int | None = None) -> list[int]:
@@ -302,7 +302,7 @@ class Freezing:
         self.frozen = count
         self.leave_gradient_sync()
         log.info("step %d: %d of %d blocks frozen (%s), %d parameters still train", step, count,
-                 t.cfg.depth, "embedding + blocks " + ", ".join(map(str, sorted(blocks))),
+                 t.cfg.model.depth, "embedding + blocks " + ", ".join(map(str, sorted(blocks))),
                  sum(p.numel() for p in t.raw_model.parameters() if p.requires_grad))
 
     def leave_gradient_sync(self) -> None:
@@ -343,7 +343,7 @@ class Freezing:
     def block_norms(self) -> torch.Tensor:
         """Per block, the L1 norm of its gradients this step (the blocks this rank holds)."""
         t = self.trainer
-        norms = torch.zeros(t.cfg.depth, device=t.device)
+        norms = torch.zeros(t.cfg.model.depth, device=t.device)
         part_of = backbone_class(t.cfg.model).part_of
         for name, p in unwrap(t.model).named_parameters():  # DDP's names start with "module."
             if p.grad is not None and isinstance(block := part_of(name), int):
@@ -390,7 +390,7 @@ class Freezing:
 
     def stages(self) -> list[list[int]]:
         """Each pipeline stage's active blocks as [start, stop) (one stage without a pipeline)."""
-        return [[self.frozen if self.prefix else 0, self.trainer.cfg.depth]]
+        return [[self.frozen if self.prefix else 0, self.trainer.cfg.model.depth]]
 
     def count_step(self) -> None:
         """Note this step's frozen blocks and stages, for the epoch's record."""
@@ -415,7 +415,7 @@ class FreezingStep(Freezing, EagerStep):
         if self.frozen and self.prefix:
             inp = self.prefix_output(inp)
         loss = super().train_step(inp, tar)
-        if t.step + 1 < t.cfg.num_iters:
+        if t.step + 1 < t.cfg.optim.num_iters:
             self.freeze(self.scheduled(t.step + 1), t.step + 1)
         return loss
 
@@ -436,5 +436,5 @@ class FreezingStep(Freezing, EagerStep):
         from distributed.tags import wrap_data_parallel
 
         mesh, layout = t.ctx.mesh, t.cfg.layout
-        t.replace_model(lambda: wrap_data_parallel(t.raw_model, mesh, t.device, layout, t.cfg.seed))
+        t.replace_model(lambda: wrap_data_parallel(t.raw_model, mesh, t.device, layout, t.cfg.run.seed))
 

@@ -58,30 +58,30 @@ class GraphStep(EagerStep):
     @classmethod
     def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
         super().check(cfg, ctx, local_batch)
-        if cfg.engine != "native":  # DeepSpeed's step is its own, not one captured graph
+        if cfg.layout.engine != "native":  # DeepSpeed's step is its own, not one captured graph
             raise ValueError("train_graph.py captures the native step; run --engine deepspeed with train.py")
-        if cfg.amp_mode == "fp16":
+        if cfg.optim.amp_mode == "fp16":
             raise ValueError("train_graph.py supports amp_mode none or bf16: fp16's GradScaler "
                              "checks for inf on the host, which a CUDA graph cannot capture")
-        if cfg.optimizer_type not in CAPTURABLE:
+        if cfg.optim.optimizer_type not in CAPTURABLE:
             raise ValueError(f"train_graph.py captures {' and '.join(CAPTURABLE)} (their capturable "
                              f"kernels keep the step count and learning rate on the GPU); run "
-                             f"--optimizer {cfg.optimizer_type} with train.py")
+                             f"--optimizer {cfg.optim.optimizer_type} with train.py")
         problem = compat.graphs_with_checkpointing_problem()
-        if cfg.activation_checkpointing != "none" and problem:
+        if cfg.memory.activation_checkpointing != "none" and problem:
             raise ValueError(problem)
-        if cfg.grad_clip_norm:
+        if cfg.optim.grad_clip_norm:
             raise ValueError("train_graph.py does not clip gradients (its captured step calls the "
                              "optimizer directly); run --grad_clip_norm with train.py")
-        if cfg.grad_compression != "none":  # a hook's Python callbacks cannot be captured
+        if cfg.layout.grad_compression != "none":  # a hook's Python callbacks cannot be captured
             raise ValueError("train_graph.py does not compress gradients (DDP's communication hook "
                              "runs Python callbacks, which a CUDA graph cannot capture); run "
                              "--grad_compression with train.py")
-        if cfg.num_experts:  # tokens per expert decide tensor shapes: not capturable
+        if cfg.model.num_experts:  # tokens per expert decide tensor shapes: not capturable
             raise ValueError("train_graph.py does not train a mixture of experts (how many tokens each "
                              "expert gets changes every step, and a CUDA graph replays fixed shapes); run "
                              "--num_experts with train.py")
-        if cfg.data_parallel != "ddp" or cfg.grad_accum_steps > 1:
+        if not cfg.layout.replicated or cfg.memory.grad_accum_steps > 1:
             raise ValueError("train_graph.py captures one plain DDP step: use --data_parallel ddp and "
                              "--grad_accum_steps 1 (train.py runs zero1, fsdp and accumulation)")
 
@@ -135,8 +135,8 @@ class GraphStep(EagerStep):
 def capturable_optimizer(params: Any, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
     """Adam or AdamW as the run asks for (betas, weight decay, fused), with ``capturable=True`` and
     the learning rate a tensor on the device that the scheduler fills in place between replays."""
-    optimizer_class, options = optimizer_choice(cfg, dev.adam_kernel(cfg.enable_fused))
-    options["lr"] = torch.tensor(cfg.lr, device=device)
+    optimizer_class, options = optimizer_choice(cfg, dev.adam_kernel(cfg.optim.enable_fused))
+    options["lr"] = torch.tensor(cfg.optim.lr, device=device)
     return optimizer_class(params, **options, capturable=True)
 
 

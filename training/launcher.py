@@ -144,10 +144,10 @@ def run_dir_for(cfg: Config, config_name: str, run_num: str, mesh: meshes.Parall
     """logs/CONFIG/4GPU/RUN; model-parallel lessons name every size ('4GPU_tp2_cp1_dp2'), so runs
     at different layouts never share a directory."""
     layout = mesh.layout_name() if model_parallel else f"{mesh.world_size}GPU"
-    if cfg.expert_parallel > 1:
-        layout += f"_ep{cfg.expert_parallel}"
-    if cfg.engine == "deepspeed":  # '2GPU_ds2', '2GPU_ds3_offload': never a native run's folder
-        layout += f"_ds{cfg.zero_stage}" + ("_offload" if cfg.cpu_offload else "")
+    if cfg.layout.expert_parallel > 1:
+        layout += f"_ep{cfg.layout.expert_parallel}"
+    if cfg.layout.engine == "deepspeed":  # '2GPU_ds2', '2GPU_ds3_offload': never a native run's folder
+        layout += f"_ds{cfg.layout.zero_stage}" + ("_offload" if cfg.memory.cpu_offload else "")
     return cfg.exp_path / config_name / layout / str(run_num)
 
 
@@ -164,20 +164,20 @@ def _check_lesson(cfg: Config, config_name: str, model_parallel: bool) -> None:
     if split and not model_parallel:
         sizes = ", ".join(f"{meshes.DIMENSIONS[n]}={s}" for n, s in split.items())
         raise ValueError(f"config {config_name!r} sets {sizes}: model parallel runs use train_mp.py")
-    if cfg.engine == "deepspeed" and model_parallel:
+    if cfg.layout.engine == "deepspeed" and model_parallel:
         raise ValueError("--engine deepspeed runs train.py's data parallelism (ZeRO stages); use "
                          "train.py --engine deepspeed")
-    if cfg.expert_parallel > 1 and not model_parallel:
-        raise ValueError(f"--expert_parallel {cfg.expert_parallel} splits the experts over ranks: "
+    if cfg.layout.expert_parallel > 1 and not model_parallel:
+        raise ValueError(f"--expert_parallel {cfg.layout.expert_parallel} splits the experts over ranks: "
                          f"expert parallel runs use train_mp.py")
 
 
 def check_backend(cfg: Config, device: torch.device) -> None:
     """What the chosen process-group backend cannot do on this device, as a ValueError."""
-    if cfg.dist_backend == "nccl" and device.type != "cuda":
+    if cfg.layout.dist_backend == "nccl" and device.type != "cuda":
         raise ValueError("--dist_backend nccl needs GPUs with CUDA and this machine has none; use "
                          "--dist_backend gloo (or auto) on CPUs")
-    if cfg.dist_backend == "gloo" and device.type == "cuda" and cfg.pipeline_parallel > 1:
+    if cfg.layout.dist_backend == "gloo" and device.type == "cuda" and cfg.layout.pipeline_parallel > 1:
         # torch's backend table: gloo's send and recv take CPU tensors only
         raise ValueError("pipeline stages pass activations with send and recv, which gloo does not do "
                          "for GPU tensors; use --dist_backend nccl (one rank per GPU) for pipelines")
@@ -186,11 +186,12 @@ def check_backend(cfg: Config, device: torch.device) -> None:
 def precision_warning(cfg: Config, device: torch.device) -> str | None:
     """One line when this CPU computes the run's low-precision matmuls far slower than fp32 ones
     (no bf16/fp16 arithmetic): the learner who turns on mixed precision should know at once."""
-    slowdown = dev.low_precision_slowdown(device, cfg.amp_mode)
+    slowdown = dev.low_precision_slowdown(device, cfg.optim.amp_mode)
     if slowdown < 2:
         return None
-    return (f"{cfg.amp_mode} matmuls take {slowdown:.0f} times as long as fp32 ones on this CPU (it has "
-            f"no {cfg.amp_mode} arithmetic, so torch computes them in generic code): autocast makes this "
+    amp = cfg.optim.amp_mode
+    return (f"{amp} matmuls take {slowdown:.0f} times as long as fp32 ones on this CPU (it has "
+            f"no {amp} arithmetic, so torch computes them in generic code): autocast makes this "
             f"run slower, not faster. Mixed precision pays on GPUs and on CPUs with AVX-512 BF16 or AMX; "
             f"--amp_mode none trains in fp32")
 
@@ -202,11 +203,11 @@ def check_layout(cfg: Config, config_name: str, model_parallel: bool, world_size
     the step variant's own refusals included (``step``: the script's). Returns every dimension's
     size (dp included) and the local batch; ValueError otherwise."""
     _check_lesson(cfg, config_name, model_parallel)
-    full = meshes.check_sizes(world_size, meshes.requested_sizes(cfg.layout), cfg.parallel_order)
-    meshes.check_expert_parallel(full[meshes.DATA], cfg.expert_parallel)
+    full = meshes.check_sizes(world_size, meshes.requested_sizes(cfg.layout), cfg.layout.parallel_order)
+    meshes.check_expert_parallel(full[meshes.DATA], cfg.layout.expert_parallel)
     meshes.check_model(cfg.model, cfg.layout)
     meshes.check_takes_effect(cfg.layout, cfg.memory, full, ranks_per_node)
-    local_batch = local_batch_size(cfg.global_batch_size, full[meshes.DATA], cfg.local_batch_size)
+    local_batch = local_batch_size(cfg.optim.global_batch_size, full[meshes.DATA], cfg.optim.local_batch_size)
     step_for(cfg, step).check(cfg, None, local_batch)
     return full, local_batch
 
@@ -220,10 +221,11 @@ def set_up(args: argparse.Namespace, model_parallel: bool,
     _, local_batch = check_layout(cfg, args.config, model_parallel, env.world_size, env.local_world_size,
                                   step)
     dev.set_cpu_threads(env.local_world_size)
-    device = dev.pick_device(env.local_rank, env.local_world_size, share_gpus=cfg.dist_backend == "gloo")
+    lay = cfg.layout
+    device = dev.pick_device(env.local_rank, env.local_world_size, share_gpus=lay.dist_backend == "gloo")
     check_backend(cfg, device)
-    init_distributed(env, device, cfg.collective_timeout_s, cfg.rendezvous_timeout_s, cfg.dist_backend)
-    mesh = meshes.build_mesh(sizes, cfg.parallel_order, device.type)
+    init_distributed(env, device, lay.collective_timeout_s, lay.rendezvous_timeout_s, lay.dist_backend)
+    mesh = meshes.build_mesh(sizes, lay.parallel_order, device.type)
     run_dir = run_dir_for(cfg, args.config, args.run_num or DEFAULT_RUN_NUM, mesh, model_parallel)
     ctx = RunContext(device=device, run_dir=run_dir, rank=env.rank, world_size=env.world_size,
                      local_rank=env.local_rank, mesh=mesh)
@@ -235,12 +237,12 @@ def step_for(cfg: Config, script_step: type[EagerStep]) -> type[EagerStep]:
     pipeline stages) when the configuration freezes layers, else a script's own (train_graph.py's,
     whose checks refuse what it cannot run), else pipeline stages or DeepSpeed's engine when the
     configuration asks for them (each imported only then), else the eager step."""
-    if cfg.freeze_schedule != "none":
+    if cfg.freeze.freeze_schedule != "none":
         if script_step is not EagerStep:
-            raise ValueError(f"--freeze_schedule {cfg.freeze_schedule} changes which layers train as the "
-                             f"run goes, which this script's step does not follow; use train.py or "
+            raise ValueError(f"--freeze_schedule {cfg.freeze.freeze_schedule} changes which layers train as "
+                             f"the run goes, which this script's step does not follow; use train.py or "
                              f"train_mp.py")
-        if cfg.pipeline_parallel > 1:
+        if cfg.layout.pipeline_parallel > 1:
             from training.repipelining import FreezingPipelineStep
 
             return FreezingPipelineStep
@@ -249,15 +251,15 @@ def step_for(cfg: Config, script_step: type[EagerStep]) -> type[EagerStep]:
         return FreezingStep
     if script_step is not EagerStep:
         return script_step
-    if cfg.pipeline_parallel > 1 and cfg.pipeline_schedule == "async_1f1b":
+    if cfg.layout.pipeline_parallel > 1 and cfg.layout.pipeline_schedule == "async_1f1b":
         from training.async_pipeline import AsyncPipelineStep
 
         return AsyncPipelineStep
-    if cfg.pipeline_parallel > 1:
+    if cfg.layout.pipeline_parallel > 1:
         from training.pipelined import PipelineStep
 
         return PipelineStep
-    if cfg.engine == "deepspeed":
+    if cfg.layout.engine == "deepspeed":
         from training.deepspeed_engine import DeepSpeedStep
 
         return DeepSpeedStep
@@ -291,10 +293,10 @@ def main(step: type[EagerStep] = EagerStep, argv: list[str] | None = None, descr
         previous = rundir.previous_run(ctx.run_dir)
         if previous is not None:
             rundir.check_same_run(previous, cfg, ctx.run_dir)
-            if previous["step"] >= cfg.num_iters:
+            if previous["step"] >= cfg.optim.num_iters:
                 log.info("%s already took all %d steps; nothing to do, nothing changed. To train again "
                          "pass another --run_num, or --num_iters N (above %d) to train it further",
-                         ctx.run_dir, cfg.num_iters, previous["step"])
+                         ctx.run_dir, cfg.optim.num_iters, previous["step"])
                 return exit_now(0)
         log.info("%s", dev.environment_summary(ctx.device))
         slow = precision_warning(cfg, ctx.device)
@@ -381,10 +383,10 @@ def in_next_layout(trainer: Trainer, script_step: type[EagerStep]) -> Trainer:
     log.info("step %d: the run continues with %s, from a checkpoint", trainer.step,
              ", ".join(f"{k} {v}" for k, v in trainer.next_layout.items()))
     cfg = with_overrides(trainer.cfg, **trainer.next_layout)
-    mesh = meshes.next_mesh(trainer.ctx.mesh, meshes.requested_sizes(cfg.layout), cfg.parallel_order,
+    mesh = meshes.next_mesh(trainer.ctx.mesh, meshes.requested_sizes(cfg.layout), cfg.layout.parallel_order,
                             trainer.device.type)
     ctx = dataclasses.replace(trainer.ctx, mesh=mesh)
-    local_batch = local_batch_size(cfg.global_batch_size, ctx.dp_size, cfg.local_batch_size)
+    local_batch = local_batch_size(cfg.optim.global_batch_size, ctx.dp_size, cfg.optim.local_batch_size)
     return Trainer(cfg, ctx, local_batch, step=step_for(cfg, script_step), callbacks=trainer.callbacks)
 
 

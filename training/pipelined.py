@@ -84,11 +84,11 @@ class PipelineStep(EagerStep):
         # as EagerStep.build_parallel_model: each stage allocates only itself
         serial, self.n_params = build_on_meta(t.cfg.model)
         self.serial_names = [name for name, _ in serial.named_parameters()]
-        values = serial_values(serial, t.cfg.seed)
+        values = serial_values(serial, t.cfg.run.seed)
         cfg, mesh = t.cfg, t.ctx.mesh
 
         def parallel_stage(stage: torch.nn.Module) -> torch.nn.Module:
-            return parallelize(stage, mesh, t.device, cfg.layout, cfg.memory, cfg.optim, cfg.seed, values)
+            return parallelize(stage, mesh, t.device, cfg.layout, cfg.memory, cfg.optim, cfg.run.seed, values)
 
         model = pipeline.build(serial, mesh, cfg.layout, t.device, parallel_stage, self.micro_batch_loss,
                                **self.stage_layout())

@@ -40,7 +40,7 @@ def stage_items(cfg: Config, frozen: int) -> list[float]:
     """The cost of each active block, the first carrying the frozen prefix (or, with nothing
     frozen, the embedding) and the last the head: what :func:`balanced_split` cuts."""
     embedding, block, tail = unit_parameters(cfg)
-    items = [float(block)] * (cfg.depth - frozen)
+    items = [float(block)] * (cfg.model.depth - frozen)
     items[0] += (embedding + frozen * block) * FROZEN_COST if frozen else embedding
     items[-1] += tail
     return items
@@ -54,10 +54,10 @@ def pipeline_layout(cfg: Config, frozen: int, start_pipeline: int, shrink: bool 
     def worst(items: list[float], stages: int) -> float:
         return max(sum(items[i] for i in r) for r in balanced_split(items, stages))
 
-    if frozen >= cfg.depth:  # every block frozen: the head trains, on one stage
-        return 1, [range(cfg.depth, cfg.depth)]
+    if frozen >= cfg.model.depth:  # every block frozen: the head trains, on one stage
+        return 1, [range(cfg.model.depth, cfg.model.depth)]
     reference = worst(stage_items(cfg, 0), start_pipeline)
-    items, active, pp = stage_items(cfg, frozen), cfg.depth - frozen, start_pipeline
+    items, active, pp = stage_items(cfg, frozen), cfg.model.depth - frozen, start_pipeline
     while pp > 1 and (active < pp or (shrink and worst(items, pp // 2) <= reference)):
         pp //= 2
     ranges = [range(r.start + frozen, r.stop + frozen) for r in balanced_split(items, pp)]
@@ -75,23 +75,26 @@ class FreezingPipelineStep(Freezing, PipelineStep):
         """Every layout the run may shrink to must take the batch: the global batch over the
         data-parallel ranks, each one's batch over the micro-batches."""
         super().check(cfg, ctx, local_batch)
-        pp = cfg.pipeline_parallel
-        ranks = pp * cfg.global_batch_size // local_batch  # stages x data-parallel ranks (no tp, cp)
-        while cfg.freeze_repipeline and pp > 1:
+        lay, batch = cfg.layout, cfg.optim.global_batch_size
+        pp, micro = lay.pipeline_parallel, lay.num_microbatches
+        ranks = pp * batch // local_batch  # stages x data-parallel ranks (no tp, cp)
+        while cfg.freeze.freeze_repipeline and pp > 1:
             pp //= 2
             dp = ranks // pp
-            if cfg.global_batch_size % dp or (pp > 1 and cfg.global_batch_size // dp % cfg.num_microbatches):
+            if batch % dp or (pp > 1 and batch // dp % micro):
                 raise ValueError(f"as blocks freeze the pipeline may shrink to {pp} stage(s) on {dp} "
-                                 f"data-parallel ranks, where global batch {cfg.global_batch_size} does "
+                                 f"data-parallel ranks, where global batch {batch} does "
                                  f"not split into local batches of --num_microbatches "
-                                 f"{cfg.num_microbatches}; choose a batch that does, or "
+                                 f"{micro}; choose a batch that does, or "
                                  f"--no-freeze_repipeline")
 
     def scheduled(self, step: int) -> int:
         """Without re-pipelining each stage keeps one active block at least."""
         count = super().scheduled(step)
         cfg = self.trainer.cfg
-        return count if cfg.freeze_repipeline else min(count, cfg.depth - cfg.pipeline_parallel)
+        if cfg.freeze.freeze_repipeline:
+            return count
+        return min(count, cfg.model.depth - cfg.layout.pipeline_parallel)
 
     def build_model(self) -> Pipeline:
         """The stages for the blocks frozen at the step this run starts from (its checkpoint's)."""
@@ -99,9 +102,9 @@ class FreezingPipelineStep(Freezing, PipelineStep):
         saved = saved_freezing(t.ctx.run_dir)
         self.start_pipeline = saved.get("start_pipeline", self.start_pipeline)
         self.decided = saved.get("decided", 0)
-        pp = t.cfg.pipeline_parallel
+        pp = t.cfg.layout.pipeline_parallel
         # a checkpoint past this layout: stages that can be built, then next_layout moves on
-        self.frozen = min(saved.get("next", self.scheduled(0)), t.cfg.depth - pp)
+        self.frozen = min(saved.get("next", self.scheduled(0)), t.cfg.model.depth - pp)
         self.ranges = pipeline_layout(t.cfg, self.frozen, pp, shrink=False)[1]
         model = super().build_model()
         if model.prefix is not None:
@@ -130,11 +133,11 @@ class FreezingPipelineStep(Freezing, PipelineStep):
     def next_layout(self) -> dict[str, Any] | None:
         """The stages the next step needs, when they are not these."""
         t = self.trainer
-        if t.step >= t.cfg.num_iters:
+        if t.step >= t.cfg.optim.num_iters:
             return None
         count = self.scheduled(t.step)
-        pp, ranges = pipeline_layout(t.cfg, count, self.start_pipeline, t.cfg.freeze_repipeline)
-        if (count, pp, ranges) == (self.frozen, t.cfg.pipeline_parallel, self.ranges):
+        pp, ranges = pipeline_layout(t.cfg, count, self.start_pipeline, t.cfg.freeze.freeze_repipeline)
+        if (count, pp, ranges) == (self.frozen, t.cfg.layout.pipeline_parallel, self.ranges):
             return None
         return {"pipeline_parallel": pp}
 

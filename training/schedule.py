@@ -55,17 +55,17 @@ def optimizer_choice(cfg: Config,
                      kernel: dict[str, bool]) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The optimizer class ``optimizer_type`` names and its settings. ``kernel``: Adam's, AdamW's
     and SGD's implementation (fused or foreach, utils/device.py:adam_kernel)."""
-    name, adam = cfg.optimizer_type, {"lr": cfg.lr, "betas": cfg.adam_betas}
+    name, adam = cfg.optim.optimizer_type, {"lr": cfg.optim.lr, "betas": cfg.optim.adam_betas}
     if name == "LAMB":  # the project's own (distributed/lamb.py): its norms may span the ranks' parts
         from distributed.lamb import Lamb
 
-        return Lamb, {**adam, "weight_decay": cfg.weight_decay}
+        return Lamb, {**adam, "weight_decay": cfg.optim.weight_decay}
     if name == "OneBitAdam":  # the project's own (distributed/onebit_adam.py), over the dp ranks
         from distributed.onebit_adam import OneBitAdam
 
-        return OneBitAdam, {**adam, "warmup_steps": cfg.onebit_warmup_steps, **kernel}
+        return OneBitAdam, {**adam, "warmup_steps": cfg.optim.onebit_warmup_steps, **kernel}
     if name == "SGD":
-        return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay,
-                                 **kernel}
-    weight_decay = {"weight_decay": cfg.weight_decay} if name == "AdamW" else {}
+        return torch.optim.SGD, {"lr": cfg.optim.lr, "momentum": cfg.optim.momentum,
+                                 "weight_decay": cfg.optim.weight_decay, **kernel}
+    weight_decay = {"weight_decay": cfg.optim.weight_decay} if name == "AdamW" else {}
     return (torch.optim.AdamW if name == "AdamW" else torch.optim.Adam), {**adam, **weight_decay, **kernel}

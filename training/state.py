@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,13 +28,16 @@ from training.context import TrainingError
 from utils import attention
 from utils import checkpoint as ckpt
 
+if TYPE_CHECKING:  # the classes that hold these objects; imported for type checkers only
+    from training.trainer import Trainer
+
 log = logging.getLogger(__name__)
 
 
 class LoopState:
     """The loop's own state: the step, the epoch's running loss, the attention kernel chosen."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer  # training/trainer.py's Trainer
 
     def state_dict(self) -> dict[str, Any]:
@@ -54,9 +57,9 @@ class LoopState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         t = self.trainer
-        t.restore_progress(state["step"], kept_attention_kernel(t.cfg.attention_kernel, t.attention_kernel,
-                                                                state.get("attention_kernel"), t.device),
-                           state["epoch_steps"])
+        kernel = kept_attention_kernel(t.cfg.optim.attention_kernel, t.attention_kernel,
+                                       state.get("attention_kernel"), t.device)
+        t.restore_progress(state["step"], kernel, state["epoch_steps"])
         # the epoch's loss sum so far goes to one rank, so the epoch-end reduction counts it once;
         # rescaled from the data-parallel ranks that summed it to those that will average it
         ranks = state.get("epoch_loss_ranks", t.ctx.dp_size)
@@ -102,7 +105,7 @@ def kept_attention_kernel(setting: str, current: str, saved: str | None, device:
 class ModelState:
     """The model's and optimizer's state (``state_dict`` / ``load_state_dict``), and FSDP's shards."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer  # training/trainer.py's Trainer: its model, optimizer, mesh
 
     @property

@@ -83,7 +83,7 @@ class EagerStep:
             return self.build_parallel_model()
         model, self.n_params = build_on_meta(t.cfg.model)
         model = model.to_empty(device=t.device)  # memory on the device, not yet initialised
-        model.reset_parameters(torch.Generator().manual_seed(t.cfg.seed))
+        model.reset_parameters(torch.Generator().manual_seed(t.cfg.run.seed))
         return model
 
     def build_parallel_model(self) -> nn.Module:
@@ -93,8 +93,8 @@ class EagerStep:
 
         t = self.trainer
         serial, self.n_params = build_on_meta(t.cfg.model)
-        model = parallelize(serial, t.ctx.mesh, t.device, t.cfg.layout, t.cfg.memory, t.cfg.optim, t.cfg.seed,
-                            serial_values(serial, t.cfg.seed))
+        model = parallelize(serial, t.ctx.mesh, t.device, t.cfg.layout, t.cfg.memory, t.cfg.optim,
+                            t.cfg.run.seed, serial_values(serial, t.cfg.run.seed))
         if t.ctx.mesh.model_parallel:
             log.info("%s; this rank holds %d of the model's %d parameters", t.ctx.mesh.describe(),
                      count_parameters(unwrap(model)), self.n_params)
@@ -102,7 +102,7 @@ class EagerStep:
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         t = self.trainer
-        optimizer_class, options = optimizer_choice(t.cfg, dev.adam_kernel(t.cfg.enable_fused))
+        optimizer_class, options = optimizer_choice(t.cfg, dev.adam_kernel(t.cfg.optim.enable_fused))
         if t.ctx.mesh.world_size == 1:
             return optimizer_class(t.model.parameters(), **options)
         from distributed import sharding  # ZeRO-1's sharded state, LAMB's norms over the ranks' parts
@@ -232,18 +232,18 @@ class Trainer:
         self.cfg, self.ctx, self.local_batch = cfg, ctx, local_batch
         self.callbacks = list(callbacks)
         self.device = ctx.device
-        dev.seed_all(cfg.seed)
+        dev.seed_all(cfg.run.seed)
         dev.configure_matmul(self.device)
         self.train_data = self.build_data("train", train=True)
         self.valid_data = self.build_data("valid", train=False)
-        self.fsdp_active = cfg.data_parallel in ("fsdp", "hsdp") and ctx.mesh.dp_size > 1
+        self.fsdp_active = cfg.layout.sharded and ctx.mesh.dp_size > 1
         # bf16 under FSDP comes from its mixed-precision policy (bf16 copies of the gathered
         # weights, fp32 master weights and gradient reduction), not from autocast; DeepSpeed's
         # from its engine (bf16 weights: autocast would only add casts)
-        self.amp_mode = "none" if self.fsdp_active and cfg.amp_mode == "bf16" or not step.autocast \
-            else cfg.amp_mode
+        self.amp_mode = "none" if self.fsdp_active and cfg.optim.amp_mode == "bf16" or not step.autocast \
+            else cfg.optim.amp_mode
         self.attention_kernel = self.choose_attention_kernel()  # a resumed run keeps its own
-        self.loss_fn = torch.compile(relative_l2_loss) if cfg.enable_jit else relative_l2_loss
+        self.loss_fn = torch.compile(relative_l2_loss) if cfg.optim.enable_jit else relative_l2_loss
         self.variant = step(self)
         self.model = self.variant.build_model()
         self.n_params = self.variant.n_params  # of the whole (serial) model
@@ -257,16 +257,16 @@ class Trainer:
         self.model = self.model if self.variant.engine is None else self.variant.engine
         self.weights = self.variant.state_class(self)  # the model and optimizer in a checkpoint
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg.optim))
-        self.scaler = dev.make_grad_scaler(self.device, cfg.amp_mode)
-        self.lat_weights = latitude_weights(cfg.img_size[0], self.device)
-        self.channels = channel_names(cfg.data_dir, cfg.n_in_channels)[: cfg.n_out_channels]  # predicted
+        self.scaler = dev.make_grad_scaler(self.device, cfg.optim.amp_mode)
+        self.lat_weights = latitude_weights(cfg.model.img_size[0], self.device)
+        self.channels = channel_names(cfg.data.data_dir, cfg.model.n_in_channels)[: cfg.model.n_out_channels]
         self.watches = self.build_watches()  # profilers and memory record, where the run asks
         self.step = 0  # optimizer steps done
         self.epoch_loss = torch.zeros((), device=self.device)  # running sum in this epoch
         self.epoch_steps = 0
         self.grad_norms: list[torch.Tensor] = []  # this epoch's, before clipping (device scalars)
         self.writer: SummaryWriter | None = None
-        self.stop_agreement = StopAgreement(self.device, cfg.stop_check_every)
+        self.stop_agreement = StopAgreement(self.device, cfg.run.stop_check_every)
         self.stopped_early = False  # a stop signal ended training before num_iters
         self.stop_agreed = False  # every rank has agreed to stop, at the next step the variant may
         self.next_layout: dict[str, Any] | None = None  # the layout the run continues in (launcher)
@@ -276,9 +276,9 @@ class Trainer:
             from distributed.health import collectives_by_phase  # loaded by distributed runs only
 
             self.heartbeat.collectives = collectives_by_phase(
-                ddp=hasattr(self.model, "no_sync"), fsdp=self.fsdp_active, clipping=bool(cfg.grad_clip_norm),
-                zero1=cfg.data_parallel == "zero1" and ctx.mesh.dp_size > 1,
-                model_parallel=ctx.mesh.model_parallel, pipeline=cfg.pipeline_parallel > 1)
+                ddp=hasattr(self.model, "no_sync"), fsdp=self.fsdp_active,
+                clipping=bool(cfg.optim.grad_clip_norm), zero1=cfg.layout.zero1 and ctx.mesh.dp_size > 1,
+                model_parallel=ctx.mesh.model_parallel, pipeline=cfg.layout.pipeline_parallel > 1)
         # the process's peak memory up to here (model built, sharded, data loaders started), for
         # the first metrics record: a model that cannot fit one device must not be built whole
         peak = dev.peak_memory_bytes(self.device) or dev.process_peak_rss_bytes()
@@ -288,7 +288,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ building ---
     def build_data(self, split: str, train: bool) -> Batches:
-        if self.cfg.data_loader_config == "dali":
+        if self.cfg.data.data_loader_config == "dali":
             from utils.data_loader_dali import DALIBatches
 
             return DALIBatches(self.cfg, split, self.local_batch, train, num_shards=self.ctx.dp_size,
@@ -302,7 +302,7 @@ class Trainer:
     def build_watches(self) -> list[Any]:
         """The profiling window (part 2) and the memory record (part 6), only where the run asks
         for them (utils/profiling.py)."""
-        if self.cfg.profile_epoch is None and not self.cfg.memory_snapshot:
+        if self.cfg.profiling.profile_epoch is None and not self.cfg.profiling.memory_snapshot:
             return []
         from utils.profiling import MemoryRecord, ProfilingWindow
 
@@ -320,8 +320,8 @@ class Trainer:
     def choose_attention_kernel(self) -> str:
         """The attention kernel for this run's device and precision (utils/attention.py)."""
         _, kv_len = attention.call_shape(self.cfg, self.local_batch)
-        dtype = dev.AMP_DTYPES[self.cfg.amp_mode] or torch.float32
-        return attention.choose(self.cfg.attention_kernel, self.device, dtype, kv_len)
+        dtype = dev.AMP_DTYPES[self.cfg.optim.amp_mode] or torch.float32
+        return attention.choose(self.cfg.optim.attention_kernel, self.device, dtype, kv_len)
 
     # --------------------------------------------------------------------- steps ---
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
@@ -377,15 +377,15 @@ class Trainer:
         """Train from ``start_batch`` to the end of the epoch or of training; returns steps run."""
         self.model.train()
         self.train_data.set_epoch(epoch, start_batch)
-        done = 0
+        done, optim = 0, self.cfg.optim
         for batch in self.train_data:  # (input, target): (B, C, H, W) each
             self.next_layout = self.variant.next_layout()  # another: a checkpoint, the launcher moves on
-            if self.step >= self.cfg.num_iters or self.next_layout is not None:
+            if self.step >= optim.num_iters or self.next_layout is not None:
                 break
             with self.watched(epoch, start_batch + done), dev.nvtx_range(f"step {self.step}"):
                 with dev.nvtx_range(f"data copy in {self.step}"):
                     inp, tar = self.to_device(*batch)
-                with reporting.compile_notice(self.device, self.cfg.enable_jit and
+                with reporting.compile_notice(self.device, optim.enable_jit and
                                               self.step == self._steps_at_start):
                     self.mark("forward")  # (a pipelined step marks nothing finer)
                     for callback in self.callbacks:
@@ -401,7 +401,7 @@ class Trainer:
             done += 1
             self.mark("stop check")
             self.stop_agreed = self.stop_agreed or self.stop_agreement.poll(self.step)
-            if self.stop_agreed and self.variant.may_stop_after(self.step) and self.step < self.cfg.num_iters:
+            if self.stop_agreed and self.variant.may_stop_after(self.step) and self.step < optim.num_iters:
                 self.stopped_early = True
                 break
             if self.checkpoint_due() and not self.at_epoch_end():  # the epoch's last: after validation
@@ -409,11 +409,11 @@ class Trainer:
         return done
 
     def at_epoch_end(self) -> bool:
-        return self.step % self.train_data.batches_per_epoch == 0 or self.step >= self.cfg.num_iters
+        return self.step % self.train_data.batches_per_epoch == 0 or self.step >= self.cfg.optim.num_iters
 
     def checkpoint_due(self) -> bool:
-        every = self.cfg.checkpoint_every
-        return bool(every) and self.step % every == 0 and self.step < self.cfg.num_iters
+        every = self.cfg.run.checkpoint_every
+        return bool(every) and self.step % every == 0 and self.step < self.cfg.optim.num_iters
 
     def validate(self) -> dict[str, Any]:
         """Loss and RMSE over every validation sample of every data-parallel rank."""
@@ -544,9 +544,9 @@ class Trainer:
         found = checkpointing.find(self.ctx.run_dir)
         if found is not None:
             self.load_checkpoint(found)
-            if self.step >= self.cfg.num_iters:  # nothing to do: touch nothing (no TensorBoard purge)
+            if self.step >= self.cfg.optim.num_iters:  # nothing to do: touch nothing (no TensorBoard purge)
                 log.info("this run already took all %d steps; to train again, pass another --run_num "
-                         "(or --num_iters N to train it further)", self.cfg.num_iters)
+                         "(or --num_iters N to train it further)", self.cfg.optim.num_iters)
                 return {}
         self.variant.run_started()
         if self.ctx.is_main:
@@ -559,7 +559,7 @@ class Trainer:
                  self.n_params, spe, spe * self.local_batch * self.ctx.dp_size, self.local_batch,
                  self.ctx.dp_size)
         val: dict[str, Any] = {}
-        while self.step < self.cfg.num_iters and self.next_layout is None:
+        while self.step < self.cfg.optim.num_iters and self.next_layout is None:
             epoch, start_batch = divmod(self.step, spe)
             dev.synchronize(self.device)
             start = time.time()
@@ -575,7 +575,7 @@ class Trainer:
                     callback.epoch_end(self, epoch)
             if self.stopped_early:
                 log.warning("stop signal (%s): stopping at step %d of %d to checkpoint",
-                            received() or "received by another rank", self.step, self.cfg.num_iters)
+                            received() or "received by another rank", self.step, self.cfg.optim.num_iters)
                 break
             if self.checkpoint_due():  # a checkpoint on the epoch's last step, after validation
                 self.save_checkpoint()

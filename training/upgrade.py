@@ -14,11 +14,12 @@ from typing import Any
 import torch
 
 from networks.backbone import backbone_class
+from utils.config_groups import ModelConfig
 
 log = logging.getLogger(__name__)
 
 
-def upgrade_checkpoint(state: dict[str, Any], cfg: Any) -> dict[str, Any]:
+def upgrade_checkpoint(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
     """The checkpoint in the current layout of the model group ``cfg``'s backbone (its model and
     optimizer state: one param group, its parameters in the model's order, as Trainer saves them);
     ``state`` itself when it is current."""

@@ -67,8 +67,9 @@ def call_shape(cfg: Config, micro_batch: int, tp: int = 1,
     """One rank's attention call: the queries' shape (micro-batch, heads, tokens, head_dim) with
     tensor parallelism ``tp`` (heads split) and context parallelism ``cp`` (queries split, keys
     and values gathered whole), and the keys' length."""
-    tokens = (cfg.img_size[0] // cfg.patch_size) * (cfg.img_size[1] // cfg.patch_size)
-    shape = (max(1, micro_batch), cfg.num_heads // tp, math.ceil(tokens / cp), cfg.embed_dim // cfg.num_heads)
+    m = cfg.model
+    tokens = (m.img_size[0] // m.patch_size) * (m.img_size[1] // m.patch_size)
+    shape = (max(1, micro_batch), m.num_heads // tp, math.ceil(tokens / cp), m.embed_dim // m.num_heads)
     return shape, tokens
 
 

@@ -139,7 +139,7 @@ def check_across(cfg: Config) -> None:
         for bad, what in refused:
             if bad:
                 raise ValueError(f"--engine deepspeed does not run {what}")
-    elif memory.cpu_offload and layout.data_parallel not in ("fsdp", "hsdp"):
+    elif memory.cpu_offload and not layout.sharded:
         raise ValueError(f"--cpu_offload moves FSDP's shards to host memory; use it with "
                          f"--data_parallel fsdp or hsdp, not {layout.data_parallel}")
     if optim.amp_mode == "fp16":
@@ -175,7 +175,7 @@ def check_freezing(cfg: Config) -> None:
                          f"give at most depth steps (the i-th freezes the i-th block)")
     refused = [
         (layout.tensor_parallel > 1 or layout.context_parallel > 1, "tensor or context parallelism"),
-        (layout.data_parallel != "ddp", f"--data_parallel {layout.data_parallel} (its shards and sharded "
+        (not layout.replicated, f"--data_parallel {layout.data_parallel} (its shards and sharded "
                                         f"optimizer keep every parameter: use ddp)"),
         (layout.engine != "native", "--engine deepspeed"),
         (model.num_experts > 0, "a mixture of experts"),
@@ -216,7 +216,7 @@ def check_experts(model: ModelConfig, layout: ParallelConfig) -> None:
     if model.num_experts % layout.expert_parallel:
         raise ValueError(f"num_experts {model.num_experts} is not divisible by expert_parallel "
                          f"{layout.expert_parallel}; each rank holds as many experts")
-    if layout.expert_parallel > 1 and (layout.data_parallel != "ddp" or layout.noddp):
+    if layout.expert_parallel > 1 and (not layout.replicated or layout.noddp):
         what = "--noddp" if layout.noddp else f"--data_parallel {layout.data_parallel}"
         raise ValueError(f"--expert_parallel runs with DDP here (its hook averages the experts over the "
                          f"ranks that hold them), not with {what}; use --data_parallel ddp")
@@ -250,7 +250,7 @@ def check_onebit(cfg: Config) -> None:
     """1-bit Adam averages whole momenta over replicated data-parallel ranks (DDP)."""
     optim, layout = cfg.optim, cfg.layout
     refused = [
-        (layout.data_parallel != "ddp", f"--data_parallel {layout.data_parallel} (its optimizer state is "
+        (not layout.replicated, f"--data_parallel {layout.data_parallel} (its optimizer state is "
                                         f"sharded; 1-bit Adam averages whole momenta: use ddp)"),
         (layout.tensor_parallel > 1 or layout.context_parallel > 1 or layout.pipeline_parallel > 1
          or layout.expert_parallel > 1, "model parallelism (tensor-parallel slices, sequence shards, "
@@ -302,21 +302,9 @@ def check_async_pipeline(model: ModelConfig, optim: OptimizerConfig, layout: Par
             raise ValueError(f"the async_1f1b schedule does not run {what}")
 
 
-# Keys a resumed run may change (training/run_dir.py): how data is loaded, profiled, checkpointed,
-# recomputed and laid out, and num_iters to extend a run. The others change the mathematics.
-MAY_CHANGE_ON_RESUME = frozenset({
-    "num_iters", "data_dir", "num_data_workers", "data_loader_config", "dali_start_method", "expdir",
-    "checkpoint_every",
-    "stop_check_every", "memory_snapshot", "profile_epoch", "profile_start_step", "profile_num_steps",
-    "profile",
-    "enable_fused", "enable_jit", "attention_kernel", "tensor_parallel", "context_parallel", "parallel_order",
-    "sequence_parallel", "tp_impl", "expert_parallel", "bucket_cap_mb", "disable_broadcast_buffers",
-    "rendezvous_timeout_s", "collective_timeout_s", "dist_backend",
-    "activation_checkpointing", "grad_accum_steps", "data_parallel", "reshard_after_forward",
-    "dp_shard", "cpu_offload", "engine", "zero_stage",
-    "pipeline_parallel", "pipeline_schedule", "num_microbatches", "stages_per_rank",
-    "freeze_cache_mib", "freeze_repipeline",
-})
+# Keys a resumed run may change (training/run_dir.py), each declared so with its key
+MAY_CHANGE_ON_RESUME = frozenset(f.name for group in GROUPS.values() for f in dataclasses.fields(group)
+                                 if f.metadata["may_change"])
 
 FIELDS = tuple(KEY_GROUP)
 

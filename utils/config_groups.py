@@ -34,10 +34,12 @@ FREEZE_SCHEDULES = ("none", "formula", "steps", "gradnorm")  # training/freezing
 ADAM_BETAS = (0.9, 0.95)  # beta2 0.95, as the tutorial: steadier with large batches
 
 
-def key(default: Any, help: str, **flag: Any) -> Any:
-    """A config key: its default and its help text. ``flag`` may add ``aliases`` (other flag
-    names) or ``choices``."""
-    return dataclasses.field(default=default, metadata={"help": help, **flag})
+def key(default: Any, help: str, may_change: bool = False, **flag: Any) -> Any:
+    """A config key: its default and its help text; ``may_change``: a resumed run may set it anew
+    (how data is loaded, profiled, checkpointed, recomputed or laid out; num_iters to extend a
+    run), the other keys change the mathematics and are refused (training/run_dir.py). ``flag``
+    may add ``aliases`` (other flag names) or ``choices``."""
+    return dataclasses.field(default=default, metadata={"help": help, "may_change": may_change, **flag})
 
 
 class Group:
@@ -161,15 +163,15 @@ class DataConfig(Group):
     """Where the data is and how it is loaded (utils/data_loader.py, utils/data_loader_dali.py)."""
 
     title: ClassVar[str] = "data"
-    data_dir: str = key("/data", "ERA5 folder with train/, valid/, stats/")
+    data_dir: str = key("/data", "ERA5 folder with train/, valid/, stats/", may_change=True)
     dt: int = key(1, "predict fields[t + dt]; dt in 6-hour steps")
     limit_nsamples: int | None = key(None, "use only the first N training samples")
     limit_nsamples_val: int | None = key(None, "use only the first N validation samples")
-    num_data_workers: int = key(0, "DataLoader workers (0 = load in the main process)")
-    data_loader_config: str = key("pytorch", "data loader", choices=DATA_LOADERS)
+    num_data_workers: int = key(0, "DataLoader workers (0 = load in the main process)", may_change=True)
+    data_loader_config: str = key("pytorch", "data loader", choices=DATA_LOADERS, may_change=True)
     dali_start_method: str = key("auto", "how DALI starts its worker processes: auto (spawn on a GPU, "
                                  "where forking after CUDA starts is unsafe; fork on a CPU), fork or "
-                                 "spawn", choices=("auto", "fork", "spawn"))
+                                 "spawn", choices=("auto", "fork", "spawn"), may_change=True)
 
     def check(self) -> None:
         self.at_least(1, "dt", "limit_nsamples", "limit_nsamples_val")
@@ -182,7 +184,7 @@ class OptimizerConfig(Group):
     the single-device speed-ups (part 2)."""
 
     title: ClassVar[str] = "optimisation"
-    num_iters: int = key(30000, "optimizer steps to train")
+    num_iters: int = key(30000, "optimizer steps to train", may_change=True)
     global_batch_size: int = key(16, "samples per optimizer step over all data-parallel ranks")
     local_batch_size: int | None = key(None, "per-rank batch (default: global_batch_size / "
                                              "data-parallel ranks)")
@@ -207,9 +209,10 @@ class OptimizerConfig(Group):
     attention_kernel: str = key("auto", "scaled-dot-product-attention kernel: auto (torch's pick, but "
                                 "math on a CPU in fp16, and in bf16 below 160 tokens), default "
                                 "(torch's pick), flash, efficient, cudnn or math",
-                                choices=ATTENTION_KERNELS)
-    enable_fused: bool = key(False, "fused Adam (--no-enable_fused to switch off)")
-    enable_jit: bool = key(False, "torch.compile the model and loss (--no-enable_jit to switch off)")
+                                choices=ATTENTION_KERNELS, may_change=True)
+    enable_fused: bool = key(False, "fused Adam (--no-enable_fused to switch off)", may_change=True)
+    enable_jit: bool = key(False, "torch.compile the model and loss (--no-enable_jit to switch off)",
+                           may_change=True)
 
     def check(self) -> None:
         self.at_least(1, "num_iters", "global_batch_size", "local_batch_size", "onebit_warmup_steps")
@@ -242,22 +245,23 @@ class ParallelConfig(Group):
     title: ClassVar[str] = "parallel layout"
     tensor_parallel: int = key(1, "ranks that split each layer (heads, MLP features); "
                                   "--row_parallel_size is the SC23 name",
-                               aliases=("--row_parallel_size",))
-    context_parallel: int = key(1, "ranks that split the sequence of tokens")
+                               aliases=("--row_parallel_size",), may_change=True)
+    context_parallel: int = key(1, "ranks that split the sequence of tokens", may_change=True)
     expert_parallel: int = key(1, "data-parallel ranks that split the experts of each mixture of "
-                                  "experts (tokens reach their experts by all-to-all)")
+                                  "experts (tokens reach their experts by all-to-all)", may_change=True)
     sequence_parallel: bool = key(False, "with tensor_parallel: the activations between the tensor-"
                                          "parallel layers (norms, residuals, dropout) split along the "
                                          "tokens over the tp ranks; all-gather and reduce-scatter "
-                                         "replace the all-reduce")
+                                         "replace the all-reduce", may_change=True)
     tp_impl: str = key("course", "tensor parallelism by the course's layers (distributed/layers.py) or "
-                                 "by torch's parallelize_module", choices=("course", "torch"))
+                                 "by torch's parallelize_module", choices=("course", "torch"),
+                       may_change=True)
     pipeline_parallel: int = key(1, "pipeline stages: each rank holds a contiguous part of the "
-                                    "transformer blocks and passes activations on")
+                                    "transformer blocks and passes activations on", may_change=True)
     pipeline_schedule: str = key("1f1b", "order of the micro-batches' forward and backward passes on "
                                  "each stage (async_1f1b: 1F1B with no flush between steps, each stage "
                                  "updating its weights as soon as it can; see weight_stashing)",
-                                 choices=PIPELINE_SCHEDULES)
+                                 choices=PIPELINE_SCHEDULES, may_change=True)
     weight_stashing: str = key("stash", "async_1f1b: the weights a micro-batch's backward uses: none (the "
                                "stage's newest: the wrong gradient), stash (the version its forward used, "
                                "PipeDream), vertical (the version the first stage used, on every stage), "
@@ -266,30 +270,30 @@ class ParallelConfig(Group):
     async_drain_every: int = key(100, "async_1f1b: steps between the pipeline's drains (every micro-batch "
                                  "in flight through its update), a part of its update rule: checkpoints "
                                  "and a stop signal's stop happen only there")
-    num_microbatches: int = key(4, "pipeline micro-batches the local batch is split into")
+    num_microbatches: int = key(4, "pipeline micro-batches the local batch is split into", may_change=True)
     stages_per_rank: int = key(2, "interleaved_1f1b and zero_bubble: pipeline stages (model chunks) "
-                                  "on each rank")
+                                  "on each rank", may_change=True)
     parallel_order: str = key("tp-cp-dp", "rank layout, fastest-varying dimension first (pp, when "
-                                          "not named, varies slowest)")
+                                          "not named, varies slowest)", may_change=True)
     data_parallel: str = key("ddp", "how the data-parallel ranks hold the training state: ddp "
                              "(replicated), zero1 (optimizer state sharded), fsdp (parameters, "
                              "gradients and optimizer state sharded), hsdp (fsdp within groups of "
                              "dp_shard ranks, replicated across the groups)",
-                             choices=DATA_PARALLEL)
+                             choices=DATA_PARALLEL, may_change=True)
     dp_shard: int = key(0, "hsdp: ranks in each sharding group; the data-parallel ranks form "
                            "dp / dp_shard groups that each hold one sharded copy and average "
-                           "gradients between them (0: the ranks of one node)")
+                           "gradients between them (0: the ranks of one node)", may_change=True)
     engine: str = key("native", "who runs the step: native (this project's loop and layouts) or "
                                 "deepspeed (DeepSpeed's engine: wrapping, backward, step, accumulation, "
                                 "clipping; install with `make deepspeed`)",
-                      choices=ENGINES)
+                      choices=ENGINES, may_change=True)
     zero_stage: int = key(0, "--engine deepspeed: what its ZeRO partitions over the data-parallel "
                              "ranks: 0 nothing (DDP), 1 optimizer state, 2 and gradients, 3 and "
-                             "parameters")
+                             "parameters", may_change=True)
     reshard_after_forward: bool = key(True, "fsdp: free the gathered parameters after forward and "
                                             "gather them again in backward (ZeRO-3; "
-                                            "--no-reshard_after_forward keeps them: ZeRO-2)")
-    bucket_cap_mb: float = key(25.0, "DDP gradient bucket size in MB")
+                                            "--no-reshard_after_forward keeps them: ZeRO-2)", may_change=True)
+    bucket_cap_mb: float = key(25.0, "DDP gradient bucket size in MB", may_change=True)
     grad_compression: str = key("none", "DDP: send the gradients compressed (a communication hook, "
                                 "distributed/compression.py): none, bf16 or fp16 (half the bytes), "
                                 "powersgd (a low-rank approximation)",
@@ -300,14 +304,16 @@ class ParallelConfig(Group):
     dist_backend: str = key("auto", "process-group backend: auto (NCCL on GPUs, gloo on CPUs), nccl, or "
                                     "gloo, on GPUs too (tensors go through host memory; ranks may then "
                                     "share a GPU, as make gpu-check does on a machine with one)",
-                            choices=("auto", "nccl", "gloo"))
+                            choices=("auto", "nccl", "gloo"), may_change=True)
     rendezvous_timeout_s: float = key(60.0, "seconds to wait for every rank to start and meet "
-                                            "(srun or plain environment; torchrun meets on its own)")
+                                            "(srun or plain environment; torchrun meets on its own)",
+                                      may_change=True)
     collective_timeout_s: float = key(300.0, "seconds a collective may wait for a rank that stopped "
                                              "responding before every rank fails (on NCCL the heartbeat "
-                                             "names it then, NCCL's own timeout is 30 s later)")
+                                             "names it then, NCCL's own timeout is 30 s later)",
+                                      may_change=True)
     disable_broadcast_buffers: bool = key(False, "do not broadcast module buffers from rank 0 "
-                                                 "every forward")
+                                                 "every forward", may_change=True)
     noddp: bool = key(False, "no gradient synchronisation: each rank trains alone (profiling "
                              "compute only)")
 
@@ -331,10 +337,26 @@ class ParallelConfig(Group):
         self.check_pipeline()
         self.check_sequence_parallel()
 
+    # data_parallel's modes (each takes effect with more than one data-parallel rank)
     @property
     def sharded(self) -> bool:
-        """FSDP or HSDP asked for (they take effect with more than one data-parallel rank)."""
+        """FSDP or HSDP: parameters, gradients and optimizer state sharded."""
         return self.engine == "native" and self.data_parallel in ("fsdp", "hsdp")
+
+    @property
+    def replicated(self) -> bool:
+        """DDP: every data-parallel rank holds the whole training state."""
+        return self.data_parallel == "ddp"
+
+    @property
+    def zero1(self) -> bool:
+        """ZeRO-1: the optimizer state sharded."""
+        return self.data_parallel == "zero1"
+
+    @property
+    def hsdp(self) -> bool:
+        """FSDP within groups of dp_shard ranks, replicated across them."""
+        return self.data_parallel == "hsdp"
 
     @property
     def stages(self) -> int:
@@ -349,7 +371,7 @@ class ParallelConfig(Group):
                                  "sharding is --data_parallel zero1 or fsdp)")
         else:
             refused = [
-                (self.data_parallel != "ddp", f"--data_parallel {self.data_parallel} (DeepSpeed shards "
+                (not self.replicated, f"--data_parallel {self.data_parallel} (DeepSpeed shards "
                                               f"with --zero_stage; leave --data_parallel ddp)"),
                 (self.grad_compression != "none", f"--grad_compression {self.grad_compression} (a DDP "
                                                   f"hook; DeepSpeed reduces gradients itself)"),
@@ -359,17 +381,17 @@ class ParallelConfig(Group):
                 if bad:
                     raise ValueError(f"--engine deepspeed does not run {what}")
             return
-        if self.data_parallel == "hsdp" and (self.tensor_parallel > 1 or self.context_parallel > 1
+        if self.hsdp and (self.tensor_parallel > 1 or self.context_parallel > 1
                                              or self.pipeline_parallel > 1):
             raise ValueError("data_parallel hsdp combines with no other parallel dimension here; use "
                              "--data_parallel fsdp with tensor or pipeline parallelism")
         self.check_compression()
-        if self.data_parallel == "ddp":
+        if self.replicated:
             return
         if self.noddp:
             raise ValueError(f"--noddp switches gradient synchronisation off, which data_parallel "
                              f"{self.data_parallel} needs; use --data_parallel ddp with --noddp")
-        if self.data_parallel in ("fsdp", "hsdp") and self.context_parallel > 1:
+        if self.sharded and self.context_parallel > 1:
             # cp needs a gradient sum over cp, which FSDP's reduction lacks
             raise ValueError("data_parallel fsdp does not combine with context_parallel > 1 here; use "
                              "--data_parallel ddp or zero1 with context parallelism")
@@ -393,7 +415,7 @@ class ParallelConfig(Group):
     def check_unused(self) -> None:
         """A key that only one layout reads, set for another, would be ignored: refused instead."""
         unused = [
-            (self.dp_shard > 0 and (self.data_parallel != "hsdp" or self.engine != "native"),
+            (self.dp_shard > 0 and not (self.hsdp and self.sharded),
              f"--dp_shard {self.dp_shard} sizes hsdp's sharding groups", "--data_parallel hsdp"),
             (not self.reshard_after_forward and not self.sharded,
              "--no-reshard_after_forward keeps FSDP's gathered weights", "--data_parallel fsdp or hsdp"),
@@ -426,7 +448,7 @@ class ParallelConfig(Group):
         if self.pipeline_schedule in INTERLEAVED and m % rounds:
             raise ValueError(f"{self.pipeline_schedule} runs micro-batches in rounds of pipeline_parallel "
                              f"{pp}: num_microbatches {m} must be a multiple of {pp} (or at most {pp})")
-        if self.pipeline_schedule == "zero_bubble" and self.data_parallel in ("fsdp", "hsdp"):
+        if self.pipeline_schedule == "zero_bubble" and self.sharded:
             # seen on torch 2.13
             raise ValueError("the zero_bubble schedule with data_parallel fsdp trains with gradients that "
                              "differ from the serial model's; use --data_parallel ddp or another schedule")
@@ -440,7 +462,7 @@ class ParallelConfig(Group):
         if self.tensor_parallel < 2:
             raise ValueError("--sequence_parallel splits what tensor parallelism replicates; use it with "
                              "--tensor_parallel 2 or more")
-        if self.data_parallel in ("fsdp", "hsdp") or self.pipeline_parallel > 1:
+        if self.sharded or self.pipeline_parallel > 1:
             other = "--pipeline_parallel" if self.pipeline_parallel > 1 \
                 else f"--data_parallel {self.data_parallel}"
             raise ValueError(f"--sequence_parallel does not combine with {other} here (the replicated "
@@ -455,13 +477,13 @@ class MemoryConfig(Group):
     title: ClassVar[str] = "memory"
     activation_checkpointing: str = key("none", "recompute activations in backward instead of storing "
                                         "them: none, full (every block), selective (every other one)",
-                                        choices=("none", "full", "selective"))
+                                        choices=("none", "full", "selective"), may_change=True)
     grad_accum_steps: int = key(1, "micro-batches per optimizer step: the local batch is split into N, "
-                                   "gradients add up, one gradient reduction per step")
+                                   "gradients add up, one gradient reduction per step", may_change=True)
     cpu_offload: bool = key(False, "fsdp / hsdp: keep the parameters, gradients and Adam's state in "
                                    "host memory (FSDP2's CPUOffloadPolicy); the optimizer steps on "
                                    "the CPU. --engine deepspeed: ZeRO-Offload (Adam's state and step "
-                                   "on the CPU; the parameters too at --zero_stage 3)")
+                                   "on the CPU; the parameters too at --zero_stage 3)", may_change=True)
 
     def check(self) -> None:
         self.at_least(1, "grad_accum_steps")
@@ -488,10 +510,11 @@ class FreezingConfig(Group):
                                      "(a control: as many blocks drawn from the seed)",
                             choices=("first", "random"))
     freeze_cache_mib: float = key(0.0, "memory for the frozen blocks' output per sample, kept for the "
-                                       "next epochs (0: no cache; samples beyond it are recomputed)")
+                                       "next epochs (0: no cache; samples beyond it are recomputed)",
+                                  may_change=True)
     freeze_repipeline: bool = key(True, "with pipeline stages: re-cut them as blocks freeze, and once "
                                         "the active blocks fit on half the stages, continue on half "
-                                        "the stages with twice the data-parallel ranks")
+                                        "the stages with twice the data-parallel ranks", may_change=True)
 
     def check(self) -> None:
         steps = self.freeze_steps
@@ -515,11 +538,12 @@ class RunConfig(Group):
     """Where a run writes, its seed, checkpoints and stop signals."""
 
     title: ClassVar[str] = "run"
-    expdir: str = key("/logs", "root of the run directories")
+    expdir: str = key("/logs", "root of the run directories", may_change=True)
     seed: int = key(0, "random seed (weights, data order, dropout)")
-    checkpoint_every: int = key(0, "steps between checkpoints (0 = only at the end)")
+    checkpoint_every: int = key(0, "steps between checkpoints (0 = only at the end)", may_change=True)
     stop_check_every: int = key(10, "steps between the ranks' checks for a stop signal (TERM, USR1, "
-                                    "USR2); on one, training checkpoints and exits with status 75")
+                                    "USR2); on one, training checkpoints and exits with status 75",
+                                may_change=True)
 
     def check(self) -> None:
         self.at_least(1, "stop_check_every")
@@ -532,15 +556,15 @@ class ProfilingConfig(Group):
 
     title: ClassVar[str] = "profiling"
     profile_epoch: int | None = key(None, "epoch (0-based) whose steps rank 0 brackets with "
-                                          "cudaProfilerStart/Stop")
-    profile_start_step: int = key(0, "first profiled step of that epoch (0-based)")
-    profile_num_steps: int | None = key(None, "steps in the window (default: to epoch end)")
+                                          "cudaProfilerStart/Stop", may_change=True)
+    profile_start_step: int = key(0, "first profiled step of that epoch (0-based)", may_change=True)
+    profile_num_steps: int | None = key(None, "steps in the window (default: to epoch end)", may_change=True)
     memory_snapshot: bool = key(False, "record one step's memory by kind (parameters, gradients, "
                                        "optimizer state, activations) into RUN_DIR/memory "
                                        "(scripts/plot_memory.py draws it); on CUDA also the "
-                                       "allocator's history for pytorch.org/memory_viz")
+                                       "allocator's history for pytorch.org/memory_viz", may_change=True)
     profile: bool = key(False, "write a torch.profiler trace of the window to RUN_DIR/profile "
-                               "(CPU or GPU)")
+                               "(CPU or GPU)", may_change=True)
 
     def check(self) -> None:
         self.at_least(0, "profile_epoch", "profile_start_step")

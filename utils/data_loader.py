@@ -153,11 +153,11 @@ class ERA5Dataset(Dataset):
     def __init__(self, cfg: Config, split: str, limit: int | None = None) -> None:
         self.data_dir = cfg.data_path
         self.files = find_year_files(self.data_dir, split, cfg)
-        stats = load_stats(self.data_dir, cfg.n_in_channels)
+        stats = load_stats(self.data_dir, cfg.model.n_in_channels)
         self.means, self.stds = stats["global_means"][0], stats["global_stds"][0]  # (C, 1, 1)
-        self.dt = cfg.dt
-        self.img_size = cfg.img_size
-        self.n_out = cfg.n_out_channels
+        self.dt = cfg.data.dt
+        self.img_size = cfg.model.img_size
+        self.n_out = cfg.model.n_out_channels
         self.samples_per_file = [f.n_steps - self.dt for f in self.files]
         self.offsets = np.cumsum([0] + self.samples_per_file)
         total = int(self.offsets[-1])
@@ -325,16 +325,16 @@ def get_data_loader(cfg: Config, split: str, local_batch_size: int, train: bool,
                     ) -> tuple[DataLoader, ERA5Dataset, ShardedSampler]:
     """DataLoader for one split. Training shuffles per epoch and drops the last partial
     global batch; validation keeps every sample in file order."""
-    limit = cfg.limit_nsamples if train else cfg.limit_nsamples_val
+    limit = cfg.data.limit_nsamples if train else cfg.data.limit_nsamples_val
     dataset = ERA5Dataset(cfg, split, limit)
     if train and len(dataset) < num_shards * local_batch_size:
         raise DataError(
             f"{split} has {len(dataset)} samples, fewer than one global batch "
             f"({num_shards} x {local_batch_size}); lower the batch size or add data"
         )
-    sampler = ShardedSampler(len(dataset), num_shards, shard_id, shuffle=train, seed=cfg.seed,
+    sampler = ShardedSampler(len(dataset), num_shards, shard_id, shuffle=train, seed=cfg.run.seed,
                              drop_last=train, batch_size=local_batch_size)
-    workers = cfg.num_data_workers
+    workers = cfg.data.num_data_workers
     loader = DataLoader(
         dataset,
         batch_size=local_batch_size,
@@ -348,6 +348,6 @@ def get_data_loader(cfg: Config, split: str, local_batch_size: int, train: bool,
         drop_last=train,
         # its own generator: creating an iterator must not draw from the global RNG, or
         # dropout masks after a mid-epoch resume would differ from an uninterrupted run
-        generator=torch.Generator().manual_seed(cfg.seed),
+        generator=torch.Generator().manual_seed(cfg.run.seed),
     )
     return loader, dataset, sampler

@@ -101,12 +101,12 @@ class DALIBatches:
                                                         num_shards, shard_id)
         self.batch_size = local_batch_size
         self.device = device or torch.device("cpu")
-        self.workers = cfg.num_data_workers
-        self.start_method = cfg.dali_start_method
+        self.workers = cfg.data.num_data_workers
+        self.start_method = cfg.data.dali_start_method
         self.num_threads = num_threads or max(1, torch.get_num_threads())
         self.shuffle, self.drop_last = train, train
         self.batches_per_epoch = self.sampler.batches_per_epoch()
-        n_out = cfg.n_out_channels
+        n_out = cfg.model.n_out_channels
         self.means, self.stds = self.dataset.means, self.dataset.stds  # (C, 1, 1) float32
         self.out_means = np.ascontiguousarray(self.means[:n_out])
         self.out_stds = np.ascontiguousarray(self.stds[:n_out])

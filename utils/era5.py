@@ -186,16 +186,16 @@ def find_year_files(data_dir: Path, split: str, cfg: Config) -> list[YearFile]:
     paths = sorted(folder.glob("*.h5")) if folder.is_dir() else []
     if not paths:
         raise DataError(f"no .h5 files in {folder}; {GENERATE_HINT}")
-    files = [_check_year_file(p, cfg.n_in_channels, cfg.img_size, cfg.dt) for p in paths]
+    files = [_check_year_file(p, cfg.model.n_in_channels, cfg.model.img_size, cfg.data.dt) for p in paths]
     grids = {f.grid for f in files}
     if len(grids) > 1:
         listed = ", ".join(f"{f.path.name} {f.grid[0]} x {f.grid[1]}" for f in files)
         raise DataError(f"the year files of {folder} hold different grids ({listed}); every year of a "
                         f"data set must be on the same grid")
     grid = grids.pop()
-    if grid != tuple(cfg.img_size):
+    if grid != tuple(cfg.model.img_size):
         log.info("%s holds %d x %d fields; training on their top-left %d x %d (img_size), cropped as the "
-                 "original tutorial does", folder, *grid, *cfg.img_size)
+                 "original tutorial does", folder, *grid, *cfg.model.img_size)
     return files
 
 

@@ -38,19 +38,19 @@ class ProfilingWindow:
 
     def __init__(self, cfg: Config, device: torch.device, run_dir: Path, rank: int,
                  steps_per_epoch: int) -> None:
-        self.enabled = cfg.profile_epoch is not None
-        self.epoch = cfg.profile_epoch
-        self.first = cfg.profile_start_step
+        self.enabled = cfg.profiling.profile_epoch is not None
+        self.epoch = cfg.profiling.profile_epoch
+        self.first = cfg.profiling.profile_start_step
         self.last = steps_per_epoch - 1
-        if cfg.profile_num_steps is not None:
-            self.last = min(self.last, self.first + cfg.profile_num_steps - 1)
-        self.last_global_step = cfg.num_iters - 1
-        self.device, self.rank, self.torch_trace = device, rank, cfg.profile
+        if cfg.profiling.profile_num_steps is not None:
+            self.last = min(self.last, self.first + cfg.profiling.profile_num_steps - 1)
+        self.last_global_step = cfg.optim.num_iters - 1
+        self.device, self.rank, self.torch_trace = device, rank, cfg.profiling.profile
         self.trace_dir = run_dir / TRACE_DIR
         self._torch_prof: torch.profiler.profile | None = None
         self._open = False
         if self.enabled:
-            self._check(steps_per_epoch, cfg.num_iters)
+            self._check(steps_per_epoch, cfg.optim.num_iters)
 
     def _check(self, steps_per_epoch: int, num_iters: int) -> None:
         if self.first >= steps_per_epoch:
@@ -164,7 +164,7 @@ class MemoryRecord:
 
     def __init__(self, cfg: Config, device: torch.device, run_dir: Path, rank: int,
                  held: Callable[[], dict[str, int]]) -> None:
-        self.enabled, self.num_iters = cfg.memory_snapshot, cfg.num_iters
+        self.enabled, self.num_iters = cfg.profiling.memory_snapshot, cfg.optim.num_iters
         self.device, self.rank, self.out, self.held = device, rank, run_dir / MEMORY_DIR, held
         self.target: int | None = None
 
