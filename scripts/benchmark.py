@@ -586,7 +586,7 @@ def close_rung(trainer: Trainer, run_dir: Path) -> None:
 def attention_table(cfg: Config, batch: int, device: torch.device, amp: str) -> list[dict[str, Any]]:
     """Forward and backward of one attention call of the model (the whole batch) per kernel
     and dtype, and which kernel ``attention_kernel: auto`` takes for that dtype."""
-    shape, kv_len = attention.call_shape(cfg, batch)
+    shape, kv_len = attention.call_shape(cfg.model, batch)
     rows = []
     for mode in ("none", amp):
         chosen = attention.choose("auto", device, DTYPES[mode], kv_len)
@@ -635,7 +635,7 @@ def bare_step(cfg: Config, batch: int, device: torch.device, amp: str, fused: bo
     h, w = cfg.model.img_size
     inp = torch.randn(batch, cfg.model.n_in_channels, h, w, device=device)
     tar = torch.randn(batch, cfg.model.n_out_channels, h, w, device=device)
-    _, kv_len = attention.call_shape(cfg, batch)
+    _, kv_len = attention.call_shape(cfg.model, batch)
     kernel = attention.choose(cfg.optim.attention_kernel, device, DTYPES[amp], kv_len)
 
     def step() -> torch.Tensor:
@@ -917,7 +917,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "shape_peak": {dtype_name(k): v["shapes"] for k, v in shape_peaks.items()},
         "failed": [{"name": r["name"], "step": r["failed_step"], "loss": r["failed_loss"]}
                    for r in rungs if "failed" in r],
-        "attention": kernels, "attention_shape": list(attention.call_shape(base, batch)[0]),
+        "attention": kernels, "attention_shape": list(attention.call_shape(base.model, batch)[0]),
         "rungs": rungs, "bare": bare,
     }
     best = best_rung(rungs)

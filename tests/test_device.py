@@ -52,12 +52,12 @@ def test_gloo_ranks_share_the_gpus_and_the_backend_is_checked(monkeypatch, cfg_f
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert [dev.backend_for(gpu), dev.backend_for(cpu), dev.backend_for(gpu, "gloo")] == \
         ["nccl", "gloo", "gloo"]
-    check_backend(cfg_factory(dist_backend="gloo", tensor_parallel=2), gpu)
-    check_backend(cfg_factory(dist_backend="gloo", pipeline_parallel=2), cpu)
+    check_backend(cfg_factory(dist_backend="gloo", tensor_parallel=2).layout, gpu)
+    check_backend(cfg_factory(dist_backend="gloo", pipeline_parallel=2).layout, cpu)
     with pytest.raises(ValueError, match="^pipeline stages pass activations with send and recv, which gloo"):
-        check_backend(cfg_factory(dist_backend="gloo", pipeline_parallel=2), gpu)
+        check_backend(cfg_factory(dist_backend="gloo", pipeline_parallel=2).layout, gpu)
     with pytest.raises(ValueError, match="^--dist_backend nccl needs GPUs with CUDA and this machine"):
-        check_backend(cfg_factory(dist_backend="nccl"), cpu)
+        check_backend(cfg_factory(dist_backend="nccl").layout, cpu)
 
 
 def test_rng_state_saves_only_this_ranks_gpu(monkeypatch):
@@ -127,7 +127,7 @@ def test_train_graph_builds_the_optimizer_the_run_asks_for(cfg_factory):
     """AdamW with its weight decay (not plain Adam, whatever the flags), capturable, its rate a
     tensor; optimizers without a capturable kernel are refused in one line."""
     params = [torch.nn.Parameter(torch.zeros(3))]
-    opt = graphs.capturable_optimizer(params, cfg_factory(optimizer_type="AdamW", weight_decay=0.05),
+    opt = graphs.capturable_optimizer(params, cfg_factory(optimizer_type="AdamW", weight_decay=0.05).optim,
                                       torch.device("cpu"))
     group = opt.param_groups[0]
     assert type(opt) is torch.optim.AdamW and group["weight_decay"] == 0.05 and group["capturable"]

@@ -81,11 +81,11 @@ def test_a_cpu_without_low_precision_arithmetic_is_named_at_start(monkeypatch, c
     assert dev.low_precision_slowdown(cpu, "none") == 1.0
     assert dev.low_precision_slowdown(cpu, "bf16") > 0
     monkeypatch.setattr(dev, "low_precision_slowdown", lambda device, amp: 40.0)
-    line = precision_warning(cfg_factory(amp_mode="bf16"), cpu)
+    line = precision_warning(cfg_factory(amp_mode="bf16").optim, cpu)
     assert line.startswith("bf16 matmuls take 40 times as long as fp32 ones on this CPU (it has no bf16 "
                            "arithmetic") and "--amp_mode none trains in fp32" in line
     monkeypatch.setattr(dev, "low_precision_slowdown", lambda device, amp: 0.3)  # AVX-512 BF16: faster
-    assert precision_warning(cfg_factory(amp_mode="bf16"), cpu) is None
+    assert precision_warning(cfg_factory(amp_mode="bf16").optim, cpu) is None
 
 
 def test_bf16_autocast_stays_close_to_fp32(cfg_factory, tmp_path):

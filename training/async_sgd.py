@@ -61,6 +61,7 @@ from training.schedule import make_lr_lambda, optimizer_choice
 from utils import attention
 from utils import device as dev
 from utils.config import Config
+from utils.config_groups import OptimizerConfig
 from utils.data_loader import get_data_loader
 from utils.metrics import relative_l2_loss
 
@@ -77,10 +78,10 @@ def build_model(cfg: Config) -> Backbone:
     return model
 
 
-def make_optimizer(cfg: Config, params: Any) -> tuple[torch.optim.Optimizer, Any]:
-    optimizer_class, options = optimizer_choice(cfg, dev.adam_kernel(cfg.optim.enable_fused))
+def make_optimizer(cfg: OptimizerConfig, params: Any) -> tuple[torch.optim.Optimizer, Any]:
+    optimizer_class, options = optimizer_choice(cfg, dev.adam_kernel(cfg.enable_fused))
     optimizer = optimizer_class(params, **options)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, make_lr_lambda(cfg.optim))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, make_lr_lambda(cfg))
 
 
 def batches(cfg: Config, local_batch: int, shards: int = 1, shard: int = 0, skip: int = 0) -> Iterator[Any]:
@@ -104,7 +105,7 @@ class Worker:
         self.cfg, self.model, self.data, self.slow_s = cfg, model, data, slow_s
         dtype = dev.AMP_DTYPES[cfg.optim.amp_mode] or torch.float32
         self.kernel = attention.choose(cfg.optim.attention_kernel, CPU, dtype,
-                                       attention.call_shape(cfg, 1)[1])
+                                       attention.call_shape(cfg.model, 1)[1])
 
     def gradient(self) -> float:
         inp, tar = next(self.data)
@@ -144,7 +145,7 @@ def hogwild_worker(cfg: Config, model: Backbone, rank: int, workers: int, lock: 
     worker's optimizer state and the batches it had drawn."""
     torch.set_num_threads(1)
     parent = os.getppid()
-    optimizer, _ = make_optimizer(cfg, model.parameters())
+    optimizer, _ = make_optimizer(cfg.optim, model.parameters())
     if begin[0] is not None:
         optimizer.load_state_dict(begin[0])
     factor = make_lr_lambda(cfg.optim)
@@ -272,7 +273,7 @@ def run_ddp(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(cfg)
     ddp = DistributedDataParallel(model)  # averages the gradients over the ranks in backward
-    optimizer, scheduler = make_optimizer(cfg, model.parameters())
+    optimizer, scheduler = make_optimizer(cfg.optim, model.parameters())
     local = cfg.optim.global_batch_size // world
     worker = Worker(cfg, ddp, batches(cfg, local, world, rank), slow(args, rank))
     dist.barrier()  # every rank set up: the clock starts
@@ -316,7 +317,7 @@ def run_server(cfg: Config, args: argparse.Namespace, run_dir: Path) -> int:
 
         param_server.work(parameters_to_vector(params).detach(), gradient)
         return 0
-    optimizer, scheduler = make_optimizer(cfg, params)
+    optimizer, scheduler = make_optimizer(cfg.optim, params)
     if state is not None:
         optimizer.load_state_dict(state.optimizers[0])
         scheduler.load_state_dict(state.schedule)
@@ -357,7 +358,7 @@ def replay(cfg: Config, log_: list[tuple[int, int]], trainers: int) -> tuple[Bac
     Keeps only the versions a later entry of the log still uses."""
     server, at = build_model(cfg), build_model(cfg)  # the newest weights; where gradients are computed
     params, at_params = list(server.parameters()), list(at.parameters())
-    optimizer, scheduler = make_optimizer(cfg, params)
+    optimizer, scheduler = make_optimizer(cfg.optim, params)
     local = cfg.optim.global_batch_size // trainers
     workers = {r: Worker(cfg, at, batches(cfg, local, trainers, r - 1)) for r in {r for r, _ in log_}}
     last_use = {version: i for i, (_, version) in enumerate(log_)}

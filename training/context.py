@@ -6,15 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from distributed.mesh import ParallelMesh
 from utils.config import Config
-
-if TYPE_CHECKING:  # the classes that hold these objects; imported for type checkers only
-    from training.trainer import Trainer
 
 
 class TrainingError(RuntimeError):
@@ -76,22 +73,22 @@ class Callback:
     """A script's or a test's hook into a run: override the moments you need (each does nothing
     here). The Trainer calls them in the order the callbacks were given."""
 
-    def model_built(self, trainer: Trainer) -> None:
+    def model_built(self, trainer: Any) -> None:
         """The model and optimizer exist (before any step or checkpoint load)."""
 
-    def step_start(self, trainer: Trainer) -> None:
+    def step_start(self, trainer: Any) -> None:
         """A training step is about to run on a batch already on the device (``trainer.step``
         steps are done)."""
 
-    def step_end(self, trainer: Trainer, loss: torch.Tensor) -> torch.Tensor | None:
+    def step_end(self, trainer: Any, loss: torch.Tensor) -> torch.Tensor | None:
         """The step ran (``trainer.step`` not yet counted up); ``loss`` is the device tensor it
         returned. Return a tensor to log instead (fault injection), or None."""
         return None
 
-    def epoch_end(self, trainer: Trainer, epoch: int) -> None:
+    def epoch_end(self, trainer: Any, epoch: int) -> None:
         """An epoch was trained, validated and logged."""
 
-    def fit_end(self, trainer: Trainer) -> None:
+    def fit_end(self, trainer: Any) -> None:
         """Training is over (checkpoint written); ``trainer.stopped_early`` says whether a stop
         signal ended it."""
 

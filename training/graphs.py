@@ -31,6 +31,7 @@ from training.trainer import EagerStep, Trainer
 from utils import compat
 from utils import device as dev
 from utils.config import Config
+from utils.config_groups import OptimizerConfig
 
 EAGER_WARMUP_STEPS = 3
 DDP_WARMUP_STEPS = 11  # PyTorch's CUDA graph notes: at least 11 eager DDP iterations before capture
@@ -102,7 +103,8 @@ class GraphStep(EagerStep):
             return super().build_model()
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        return capturable_optimizer(self.trainer.model.parameters(), self.trainer.cfg, self.trainer.device)
+        return capturable_optimizer(self.trainer.model.parameters(), self.trainer.cfg.optim,
+                                    self.trainer.device)
 
     def capture(self, inp: torch.Tensor, tar: torch.Tensor) -> None:
         """Record one step on static buffers; gradients are allocated inside the graph."""
@@ -132,11 +134,11 @@ class GraphStep(EagerStep):
         return self.static_loss.clone()  # the next replay overwrites static_loss
 
 
-def capturable_optimizer(params: Any, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+def capturable_optimizer(params: Any, cfg: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
     """Adam or AdamW as the run asks for (betas, weight decay, fused), with ``capturable=True`` and
     the learning rate a tensor on the device that the scheduler fills in place between replays."""
-    optimizer_class, options = optimizer_choice(cfg, dev.adam_kernel(cfg.optim.enable_fused))
-    options["lr"] = torch.tensor(cfg.optim.lr, device=device)
+    optimizer_class, options = optimizer_choice(cfg, dev.adam_kernel(cfg.enable_fused))
+    options["lr"] = torch.tensor(cfg.lr, device=device)
     return optimizer_class(params, **options, capturable=True)
 
 

@@ -33,6 +33,7 @@ from training.trainer import EagerStep, Trainer, TrainingError
 from utils import device as dev
 from utils import signals
 from utils.config import DEFAULT_YAML, FIELDS, GROUPS, REPO_ROOT, Config, load_config, with_overrides
+from utils.config_groups import OptimizerConfig, ParallelConfig
 
 log = logging.getLogger(__name__)
 
@@ -172,24 +173,24 @@ def _check_lesson(cfg: Config, config_name: str, model_parallel: bool) -> None:
                          f"expert parallel runs use train_mp.py")
 
 
-def check_backend(cfg: Config, device: torch.device) -> None:
+def check_backend(cfg: ParallelConfig, device: torch.device) -> None:
     """What the chosen process-group backend cannot do on this device, as a ValueError."""
-    if cfg.layout.dist_backend == "nccl" and device.type != "cuda":
+    if cfg.dist_backend == "nccl" and device.type != "cuda":
         raise ValueError("--dist_backend nccl needs GPUs with CUDA and this machine has none; use "
                          "--dist_backend gloo (or auto) on CPUs")
-    if cfg.layout.dist_backend == "gloo" and device.type == "cuda" and cfg.layout.pipeline_parallel > 1:
+    if cfg.dist_backend == "gloo" and device.type == "cuda" and cfg.pipeline_parallel > 1:
         # torch's backend table: gloo's send and recv take CPU tensors only
         raise ValueError("pipeline stages pass activations with send and recv, which gloo does not do "
                          "for GPU tensors; use --dist_backend nccl (one rank per GPU) for pipelines")
 
 
-def precision_warning(cfg: Config, device: torch.device) -> str | None:
+def precision_warning(cfg: OptimizerConfig, device: torch.device) -> str | None:
     """One line when this CPU computes the run's low-precision matmuls far slower than fp32 ones
     (no bf16/fp16 arithmetic): the learner who turns on mixed precision should know at once."""
-    slowdown = dev.low_precision_slowdown(device, cfg.optim.amp_mode)
+    slowdown = dev.low_precision_slowdown(device, cfg.amp_mode)
     if slowdown < 2:
         return None
-    amp = cfg.optim.amp_mode
+    amp = cfg.amp_mode
     return (f"{amp} matmuls take {slowdown:.0f} times as long as fp32 ones on this CPU (it has "
             f"no {amp} arithmetic, so torch computes them in generic code): autocast makes this "
             f"run slower, not faster. Mixed precision pays on GPUs and on CPUs with AVX-512 BF16 or AMX; "
@@ -223,7 +224,7 @@ def set_up(args: argparse.Namespace, model_parallel: bool,
     dev.set_cpu_threads(env.local_world_size)
     lay = cfg.layout
     device = dev.pick_device(env.local_rank, env.local_world_size, share_gpus=lay.dist_backend == "gloo")
-    check_backend(cfg, device)
+    check_backend(cfg.layout, device)
     init_distributed(env, device, lay.collective_timeout_s, lay.rendezvous_timeout_s, lay.dist_backend)
     mesh = meshes.build_mesh(sizes, lay.parallel_order, device.type)
     run_dir = run_dir_for(cfg, args.config, args.run_num or DEFAULT_RUN_NUM, mesh, model_parallel)
@@ -299,7 +300,7 @@ def main(step: type[EagerStep] = EagerStep, argv: list[str] | None = None, descr
                          ctx.run_dir, cfg.optim.num_iters, previous["step"])
                 return exit_now(0)
         log.info("%s", dev.environment_summary(ctx.device))
-        slow = precision_warning(cfg, ctx.device)
+        slow = precision_warning(cfg.optim, ctx.device)
         if slow:
             log.warning("%s", slow)
         log.info("config %s on %s, %d rank(s); run directory %s", args.config, ctx.device,

@@ -25,21 +25,22 @@ from training.context import RunContext
 from training.freezing import Freezing, saved_freezing
 from training.pipelined import PipelineState, PipelineStep
 from utils.config import Config
+from utils.config_groups import ModelConfig
 
 FROZEN_COST = 1 / 6  # AutoPipe: a frozen layer costs a sixth of an active one
 
 
-def unit_parameters(cfg: Config) -> tuple[int, int, int]:
+def unit_parameters(cfg: ModelConfig) -> tuple[int, int, int]:
     """Parameters of the stem (the ViT's patch and position embedding), of one unit (a block), of
     the tail (the final norm and head), counted on a model with shapes only."""
-    sizes = build_on_meta(cfg.model)[0].part_sizes()
+    sizes = build_on_meta(cfg)[0].part_sizes()
     return sizes["stem"], sizes[0], sizes["tail"]
 
 
 def stage_items(cfg: Config, frozen: int) -> list[float]:
     """The cost of each active block, the first carrying the frozen prefix (or, with nothing
     frozen, the embedding) and the last the head: what :func:`balanced_split` cuts."""
-    embedding, block, tail = unit_parameters(cfg)
+    embedding, block, tail = unit_parameters(cfg.model)
     items = [float(block)] * (cfg.model.depth - frozen)
     items[0] += (embedding + frozen * block) * FROZEN_COST if frozen else embedding
     items[-1] += tail

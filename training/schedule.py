@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from utils.config import Config
 from utils.config_groups import OptimizerConfig
 
 
@@ -51,21 +50,22 @@ def onecycle_factor(total: int, pct_start: float, div: float, final_div: float) 
     return factor
 
 
-def optimizer_choice(cfg: Config,
+def optimizer_choice(cfg: OptimizerConfig,
                      kernel: dict[str, bool]) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The optimizer class ``optimizer_type`` names and its settings. ``kernel``: Adam's, AdamW's
-    and SGD's implementation (fused or foreach, utils/device.py:adam_kernel)."""
-    name, adam = cfg.optim.optimizer_type, {"lr": cfg.optim.lr, "betas": cfg.optim.adam_betas}
+    and SGD's implementation (fused or foreach, utils/device.py:adam_kernel). ``cfg``: the
+    configuration's optimizer group."""
+    name, adam = cfg.optimizer_type, {"lr": cfg.lr, "betas": cfg.adam_betas}
     if name == "LAMB":  # the project's own (distributed/lamb.py): its norms may span the ranks' parts
         from distributed.lamb import Lamb
 
-        return Lamb, {**adam, "weight_decay": cfg.optim.weight_decay}
+        return Lamb, {**adam, "weight_decay": cfg.weight_decay}
     if name == "OneBitAdam":  # the project's own (distributed/onebit_adam.py), over the dp ranks
         from distributed.onebit_adam import OneBitAdam
 
-        return OneBitAdam, {**adam, "warmup_steps": cfg.optim.onebit_warmup_steps, **kernel}
+        return OneBitAdam, {**adam, "warmup_steps": cfg.onebit_warmup_steps, **kernel}
     if name == "SGD":
-        return torch.optim.SGD, {"lr": cfg.optim.lr, "momentum": cfg.optim.momentum,
-                                 "weight_decay": cfg.optim.weight_decay, **kernel}
-    weight_decay = {"weight_decay": cfg.optim.weight_decay} if name == "AdamW" else {}
+        return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum,
+                                 "weight_decay": cfg.weight_decay, **kernel}
+    weight_decay = {"weight_decay": cfg.weight_decay} if name == "AdamW" else {}
     return (torch.optim.AdamW if name == "AdamW" else torch.optim.Adam), {**adam, **weight_decay, **kernel}

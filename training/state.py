@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -28,16 +28,13 @@ from training.context import TrainingError
 from utils import attention
 from utils import checkpoint as ckpt
 
-if TYPE_CHECKING:  # the classes that hold these objects; imported for type checkers only
-    from training.trainer import Trainer
-
 log = logging.getLogger(__name__)
 
 
 class LoopState:
     """The loop's own state: the step, the epoch's running loss, the attention kernel chosen."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Any) -> None:
         self.trainer = trainer  # training/trainer.py's Trainer
 
     def state_dict(self) -> dict[str, Any]:
@@ -105,7 +102,7 @@ def kept_attention_kernel(setting: str, current: str, saved: str | None, device:
 class ModelState:
     """The model's and optimizer's state (``state_dict`` / ``load_state_dict``), and FSDP's shards."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Any) -> None:
         self.trainer = trainer  # training/trainer.py's Trainer: its model, optimizer, mesh
 
     @property

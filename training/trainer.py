@@ -102,7 +102,7 @@ class EagerStep:
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         t = self.trainer
-        optimizer_class, options = optimizer_choice(t.cfg, dev.adam_kernel(t.cfg.optim.enable_fused))
+        optimizer_class, options = optimizer_choice(t.cfg.optim, dev.adam_kernel(t.cfg.optim.enable_fused))
         if t.ctx.mesh.world_size == 1:
             return optimizer_class(t.model.parameters(), **options)
         from distributed import sharding  # ZeRO-1's sharded state, LAMB's norms over the ranks' parts
@@ -319,7 +319,7 @@ class Trainer:
 
     def choose_attention_kernel(self) -> str:
         """The attention kernel for this run's device and precision (utils/attention.py)."""
-        _, kv_len = attention.call_shape(self.cfg, self.local_batch)
+        _, kv_len = attention.call_shape(self.cfg.model, self.local_batch)
         dtype = dev.AMP_DTYPES[self.cfg.optim.amp_mode] or torch.float32
         return attention.choose(self.cfg.optim.attention_kernel, self.device, dtype, kv_len)
 

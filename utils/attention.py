@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from utils import device as dev
 
 if TYPE_CHECKING:
-    from utils.config import Config
+    from utils.config_groups import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,14 @@ def check_available(name: str, device: torch.device) -> None:
                          f"default, flash or math")
 
 
-def call_shape(cfg: Config, micro_batch: int, tp: int = 1,
+def call_shape(cfg: ModelConfig, micro_batch: int, tp: int = 1,
                cp: int = 1) -> tuple[tuple[int, int, int, int], int]:
     """One rank's attention call: the queries' shape (micro-batch, heads, tokens, head_dim) with
     tensor parallelism ``tp`` (heads split) and context parallelism ``cp`` (queries split, keys
     and values gathered whole), and the keys' length."""
-    m = cfg.model
-    tokens = (m.img_size[0] // m.patch_size) * (m.img_size[1] // m.patch_size)
-    shape = (max(1, micro_batch), m.num_heads // tp, math.ceil(tokens / cp), m.embed_dim // m.num_heads)
+    tokens = (cfg.img_size[0] // cfg.patch_size) * (cfg.img_size[1] // cfg.patch_size)
+    shape = (max(1, micro_batch), cfg.num_heads // tp, math.ceil(tokens / cp),
+             cfg.embed_dim // cfg.num_heads)
     return shape, tokens
 
 
