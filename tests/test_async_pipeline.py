@@ -240,7 +240,8 @@ def test_the_loss_is_shared_before_the_loop_reads_it():
 
     from training.async_pipeline import AsyncPipelineState, AsyncPipelineStep
 
-    cfg = SimpleNamespace(stop_check_every=10, num_iters=12, async_drain_every=4)
+    cfg = SimpleNamespace(run=SimpleNamespace(stop_check_every=10), optim=SimpleNamespace(num_iters=12),
+                          layout=SimpleNamespace(async_drain_every=4))
     step = AsyncPipelineStep(SimpleNamespace(cfg=cfg, train_data=SimpleNamespace(batches_per_epoch=5)))
     assert [d for d in range(1, 13) if step.loss_read_after(d)] == [1, 4, 5, 8, 10, 11, 12]
     assert [d for d in range(1, 13) if step.may_stop_after(d)] == [4, 8, 12]
@@ -258,7 +259,8 @@ def test_one_pipeline_only():
     from training.async_pipeline import AsyncPipelineStep
 
     ctx = SimpleNamespace(mesh=SimpleNamespace(dp_size=2))
-    cfg = SimpleNamespace(grad_accum_steps=1, num_microbatches=1, pipeline_parallel=2)
+    cfg = SimpleNamespace(memory=SimpleNamespace(grad_accum_steps=1),
+                          layout=SimpleNamespace(num_microbatches=1, pipeline_parallel=2))
     with pytest.raises(ValueError, match="one pipeline here, not 2"):
         AsyncPipelineStep.check(cfg, ctx, 8)
 

@@ -163,8 +163,9 @@ def test_a_finish_cut_short_leaves_no_finished_run(monkeypatch, tmp_path):
         raise RuntimeError("killed while writing weights.pt")
 
     monkeypatch.setattr(saves.ckpt, "save_atomic", killed)
-    cfg = SimpleNamespace(global_batch_size=2, n_in_channels=1, n_out_channels=1, img_size=(4, 8),
-                          data_dir=str(tmp_path / "no data"))
+    cfg = SimpleNamespace(optim=SimpleNamespace(global_batch_size=2),
+                          model=SimpleNamespace(n_in_channels=1, n_out_channels=1, img_size=(4, 8)),
+                          data=SimpleNamespace(data_dir=str(tmp_path / "no data")))
     args = SimpleNamespace(log_every=1, mode="server")
     updates = [{"trainer": 1, "loss": 0.5, "seconds": 1.0}]
     with pytest.raises(RuntimeError, match="killed"):
