@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.conftest import REPO, subprocess_env
 from tests.ddp_helpers import metrics, run_dir, train_args, write_test_yaml
@@ -45,45 +44,19 @@ def job_output(tmp_path: Path, job: str) -> str:
     return next(tmp_path.glob(f"*-{job}.out")).read_text()
 
 
-def test_submit_pm_trains_and_writes_logs(slurm, data_dir, test_yaml, tmp_path):
-    """DATADIR and LOGDIR come from the environment; every script argument reaches train.py."""
-    logdir = tmp_path / "logs"
-    args = train_args(test_yaml, None, None, num_iters=4, run_num="args_passed")
-    job = submit(slurm, "submit_pm.sh", args, tmp_path, ["-n", "1"], DATADIR=str(data_dir),
-                 LOGDIR=str(logdir))
-    info = slurm.wait(job, JOB_TIMEOUT)
-    out = job_output(tmp_path, job)
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out[-3000:]
-    run = run_dir(logdir, 1, "args_passed")
-    assert "num_iters: 4" in (run / "config.yaml").read_text()
-    assert metrics(run)[-1]["step"] == 4
-    log_text = (run / "out.log").read_text()
-    assert "config tiny on cpu, 1 rank(s)" in log_text  # fake GPUs: CUDA_VISIBLE_DEVICES, no CUDA
-    # the script echoes its srun line: the batch allocation's CPUs per task passed on, bound
-    assert "srun --kill-on-bad-exit=1 -u -c 32 --cpu-bind=cores" in out
-
-
-def test_submit_pm_dp_runs_ddp_over_gloo(slurm, data_dir, test_yaml, tmp_path):
-    args = train_args(test_yaml, data_dir, tmp_path / "logs", num_iters=4)
-    job = submit(slurm, "submit_pm_dp.sh", args, tmp_path, ["-n", "2"])
-    info = slurm.wait(job, JOB_TIMEOUT)
-    out = job_output(tmp_path, job)
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out[-3000:]
-    run = run_dir(tmp_path / "logs", 2)
-    log_text = (run / "out.log").read_text()
-    assert "process group: gloo, world size 2" in out
-    assert "local batch 4 on 2 ranks" in log_text
-    assert torch.load(run / "checkpoint.pt", weights_only=False)["step"] == 4
-
-
 def test_signal_checkpoints_and_requeued_job_resumes(slurm, data_dir, test_yaml, tmp_path):
     """`scancel --signal=USR1` is what `#SBATCH --signal=USR1@90` sends before the time limit.
     With REQUEUE=1 the job goes back to the queue, runs again and resumes from the checkpoint.
-    (One rank here; ranks that disagree about the signal: test_ddp.py.)"""
+    DATADIR and LOGDIR come from the environment; every script argument reaches train.py. (One
+    rank here; submit_pm_dp.sh's ranks over gloo, on two nodes: test_slurm_nodes.py; ranks that
+    disagree about the signal: test_ddp.py.)"""
     num_iters = 27  # 3 epochs: the signal (sent as training starts) arrives long before the end
-    args = train_args(test_yaml, data_dir, tmp_path / "logs", num_iters=num_iters, stop_check_every=2)
-    job = submit(slurm, "submit_pm.sh", args, tmp_path, ["-n", "1"], REQUEUE="1")
-    log_file = run_dir(tmp_path / "logs", 1) / "out.log"
+    logdir = tmp_path / "logs"
+    args = train_args(test_yaml, None, None, num_iters=num_iters, stop_check_every=2, run_num="args_passed")
+    job = submit(slurm, "submit_pm.sh", args, tmp_path, ["-n", "1"], REQUEUE="1", DATADIR=str(data_dir),
+                 LOGDIR=str(logdir))
+    run = run_dir(logdir, 1, "args_passed")
+    log_file = run / "out.log"
     deadline = time.monotonic() + JOB_TIMEOUT
     while not (log_file.exists() and "steps per epoch" in log_file.read_text()):
         assert time.monotonic() < deadline, "training did not start"
@@ -92,15 +65,19 @@ def test_signal_checkpoints_and_requeued_job_resumes(slurm, data_dir, test_yaml,
         time.sleep(0.1)
     slurm.signal(job, "USR1")
     info = slurm.wait(job, JOB_TIMEOUT, restarts=1)
-    log_text = log_file.read_text()
+    log_text, out = log_file.read_text(), job_output(tmp_path, job)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
-        log_text[-2000:] + job_output(tmp_path, job)[-3000:]
+        log_text[-2000:] + out[-3000:]
     stopped = [line for line in log_text.splitlines() if "stopping at step" in line]
     assert len(stopped) == 1 and "stop signal (SIGUSR1)" in stopped[0]
     step = int(stopped[0].split("stopping at step ")[1].split()[0])
     assert 0 < step < num_iters
     assert f"at step {step}" in next(line for line in log_text.splitlines() if "resumed from" in line)
-    assert metrics(run_dir(tmp_path / "logs", 1))[-1]["step"] == num_iters
+    assert metrics(run)[-1]["step"] == num_iters
+    assert f"num_iters: {num_iters}" in (run / "config.yaml").read_text()
+    assert "config tiny on cpu, 1 rank(s)" in log_text  # fake GPUs: CUDA_VISIBLE_DEVICES, no CUDA
+    # the script echoes its srun line: the batch allocation's CPUs per task passed on, bound
+    assert "srun --kill-on-bad-exit=1 -u -c 32 --cpu-bind=cores" in out
 
 
 def test_a_stopped_job_is_requeued_though_srun_reports_a_killed_rank(slurm, tmp_path):
