@@ -50,9 +50,10 @@ DEFAULT_YAML = REPO_ROOT / "config" / "ViT.yaml"
 class Config:
     """One training configuration: its groups (utils/config_groups.py: ``cfg.model``, ``cfg.data``,
     ``cfg.optim``, ``cfg.layout``, ``cfg.memory``, ``cfg.run``, ``cfg.profiling``, ``cfg.freeze``),
-    each validated as it is built, then the checks that span groups (``check_across``). Every key
-    also reads flat (``cfg.lr`` is ``cfg.optim.lr``): flags and YAML keys are flat. Frozen:
-    ``replace`` returns a new, validated Config."""
+    each validated as it is built, then the checks that span groups (``check_across``). Flags and
+    YAML keys are flat, and so is ``replace``; the project's code reads a key through its group
+    (``cfg.optim.lr``: tests/test_layout.py), a test or a notebook may read it flat (``cfg.lr``).
+    Frozen: ``replace`` returns a new, validated Config."""
 
     __slots__ = tuple(GROUPS)
 
