@@ -13,6 +13,7 @@ import torch
 from tests.conftest import REPO, subprocess_env
 from training import graphs
 from training.context import RunContext
+from training.trainer import Trainer
 from utils import compat
 from utils import device as dev
 from utils.profiling import ProfilingWindow
@@ -195,9 +196,9 @@ def test_graph_trainer_uses_one_side_stream_for_ddp_warmup_and_capture(cfg_facto
     monkeypatch.setattr(dev, "graph_capture", capture)
     monkeypatch.setattr(graphs.EagerStep, "build_model", build_model)
     monkeypatch.setattr(graphs.GraphStep, "build_optimizer",  # capturable Adam needs CUDA
-                        lambda self: torch.optim.Adam(self.trainer.model.parameters(), lr=1e-3))
+                        lambda self, model: torch.optim.Adam(model.parameters(), lr=1e-3))
     cfg = cfg_factory(num_iters=graphs.EAGER_WARMUP_STEPS + 2)
-    trainer = graphs.Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path), 4,
+    trainer = Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path), 4,
                              step=graphs.GraphStep)
     warmups = []
     real_step = graphs.EagerStep.train_step
@@ -249,8 +250,8 @@ def test_an_old_torch_gets_one_line_before_anything_is_imported(tmp_path):
 
 def test_adam_runs_the_multi_tensor_path_unless_fused(cfg_factory, tmp_path):
     for fused in (False, True):
-        trainer = graphs.Trainer(cfg_factory(enable_fused=fused),
-                                 RunContext(device=torch.device("cpu"), run_dir=tmp_path / str(fused)), 4)
+        trainer = Trainer(cfg_factory(enable_fused=fused),
+                          RunContext(device=torch.device("cpu"), run_dir=tmp_path / str(fused)), 4)
         group = trainer.optimizer.param_groups[0]
         assert (bool(group["foreach"]), bool(group["fused"])) == (not fused, fused)
 

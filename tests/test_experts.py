@@ -133,9 +133,9 @@ def test_the_vit_with_experts_trains_and_logs_them(cfg_factory, tmp_path):
     inp, tar = next(iter(trainer.train_data))
     trainer.model.zero_grad()
     loss = trainer.forward_loss(inp, tar)
-    router = trainer.moe_layers[0].router.weight
+    router = trainer.variant.moe_layers[0].router.weight
     plain = torch.autograd.grad(loss, router, retain_graph=True)[0]
-    with_aux = torch.autograd.grad(loss + trainer.balancing_loss(), router)[0]
+    with_aux = torch.autograd.grad(loss + trainer.variant.balancing_loss(), router)[0]
     assert not torch.allclose(plain, with_aux)  # the balancing loss reaches the router
     trainer.fit()
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])

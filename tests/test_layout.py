@@ -132,13 +132,30 @@ def trainer_writes(source: str) -> list[str]:
 
 
 def test_only_the_trainer_writes_its_attributes():
-    """A step variant, a state class or a script asks the Trainer (its methods: replace_model,
-    restore_progress, set_lr_factor, attention_kernel_as) or hands back a value (the variant's
-    n_params and engine): no module but training/trainer.py assigns a Trainer attribute, so the
-    order of building is read in one file."""
+    """A script asks the Trainer (its methods: set_lr_factor, attention_kernel_as, run_steps); a step
+    variant hands back a value (build_model's model, build_optimizer's optimizer, its n_params and
+    engine): no module but training/trainer.py assigns a Trainer attribute, so the order of
+    building is read in one file."""
     found = [f"{path.relative_to(REPO)} {w}" for path in tracked_python_files()
              if path.parts[len(REPO.parts)] != "tests" and path != REPO / "training" / "trainer.py"
              for w in trainer_writes(path.read_text())]
+    assert not found, found
+
+
+def test_the_step_and_the_checkpoint_are_handed_their_parts():
+    """The step variants and the checkpoint's state classes (training/) are handed StepParts
+    (training/context.py), never the Trainer: none of training/'s modules but trainer.py and the
+    launcher, which builds Trainers, names the Trainer or holds one (``self.trainer``)."""
+    found = []
+    for path in sorted((REPO / "training").glob("*.py")):
+        if path.name in ("trainer.py", "launcher.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            held = isinstance(node, ast.Attribute) and ast.unparse(node) == "self.trainer"
+            if held or isinstance(node, ast.Name) and node.id == "Trainer":
+                found.append(f"training/{path.name} line {node.lineno}: {ast.unparse(node)}")
+            if isinstance(node, ast.alias) and node.name == "Trainer":
+                found.append(f"training/{path.name}: imports Trainer")
     assert not found, found
 
 

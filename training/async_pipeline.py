@@ -41,12 +41,12 @@ class AsyncPipelineState(PipelineState):
     """A flushed pipeline's checkpoint, written where the pipeline drained."""
 
     def state_dict(self) -> dict[str, Any]:
-        model = self.trainer.model
+        model = self.parts.model
         if model.unshared:  # the loop's part of this checkpoint holds a loss sum without them
             raise RuntimeError("a checkpoint after a step whose loss was not shared: "
                                "AsyncPipelineStep.loss_read_after must name this step")
         if model.engine.flights:  # a drain here would change the update rule
-            raise RuntimeError(f"a checkpoint at step {self.trainer.step}, where the pipeline does not "
+            raise RuntimeError(f"a checkpoint at step {self.parts.step}, where the pipeline does not "
                                f"drain: AsyncPipelineStep.may_stop_after must name this step")
         return super().state_dict()
 
@@ -74,30 +74,30 @@ class AsyncPipelineStep(PipelineStep):
         model.update = self.stage_update
         engine = model.engine
         log.info("asynchronous 1F1B, weight_stashing %s: stage %d keeps %d micro-batch(es) in flight "
-                 "beyond the newest", self.trainer.cfg.layout.weight_stashing, engine.stage, engine.depth)
+                 "beyond the newest", self.parts.cfg.layout.weight_stashing, engine.stage, engine.depth)
         return model
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         """The step's loss is added up by the loop once the stages have shared it (after the steps
         :meth:`loss_read_after` names; zero after the others, whose losses come with the next)."""
-        t = self.trainer
-        if t.epoch_steps == 0 and t.model.unshared:  # an epoch was closed without them
+        parts = self.parts
+        if parts.epoch_steps == 0 and parts.model.unshared:  # an epoch was closed without them
             raise RuntimeError("an epoch ended after a step whose loss was not shared: "
                                "AsyncPipelineStep.loss_read_after must name that step")
         with dev.nvtx_range("asynchronous pipeline"), self.compute():
             # the stage's updates happen inside (stage_update)
-            loss = t.model.step(inp, tar, share=self.loss_read_after(t.step + 1))
-            if self.drains_after(t.step + 1):
-                t.model.drain()
+            loss = parts.model.step(inp, tar, share=self.loss_read_after(parts.step + 1))
+            if self.drains_after(parts.step + 1):
+                parts.model.drain()
         with warnings.catch_warnings():  # the schedule follows the training steps, which the first
             # stages' warm-up takes before their first update: torch's warning is for a mistake
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-            t.scheduler.step()
+            parts.scheduler.step()
         return loss
 
     def drains_after(self, done: int) -> bool:
         """The pipeline drains after ``done`` steps: every ``--async_drain_every`` and at the end."""
-        cfg = self.trainer.cfg
+        cfg = self.parts.cfg
         return done % cfg.layout.async_drain_every == 0 or done >= cfg.optim.num_iters
 
     def may_stop_after(self, done: int) -> bool:
@@ -105,7 +105,7 @@ class AsyncPipelineStep(PipelineStep):
         the update rule: the resumed run would not be the uninterrupted one)."""
         if not self.drains_after(done) and not self.stop_deferred:
             self.stop_deferred = True
-            cfg = self.trainer.cfg
+            cfg = self.parts.cfg
             every = cfg.layout.async_drain_every
             log.warning("stop signal at step %d: the asynchronous pipeline stops where it next drains, "
                         "at step %d", done, min(cfg.optim.num_iters, -(-done // every) * every))
@@ -115,21 +115,21 @@ class AsyncPipelineStep(PipelineStep):
         """Whether the loop reads the losses it added up after ``done`` steps: at an epoch's end, a
         checkpoint, the last step, and where a stop signal can end training (the stop agreement
         asks every ``stop_check_every`` steps and reads the answer a step later)."""
-        cfg = self.trainer.cfg
+        cfg = self.parts.cfg
         every = cfg.run.stop_check_every
-        return (done % self.trainer.train_data.batches_per_epoch == 0 or self.drains_after(done)
+        return (done % self.parts.train_data.batches_per_epoch == 0 or self.drains_after(done)
                 or every == 1 or done % every == 1)
 
     def held_bytes(self) -> dict[str, int]:
         """What EagerStep counts, and the older weight versions: the most the stage held at once."""
         held = super().held_bytes()
-        held["weight_versions"] = (self.trainer.model.engine.most_versions - 1) * held["parameters"]
+        held["weight_versions"] = (self.parts.model.engine.most_versions - 1) * held["parameters"]
         return held
 
     def stage_update(self) -> None:
         """The stage's optimizer step, when a step's gradient is complete on it."""
-        t = self.trainer
-        t.mark("optimizer step")
+        parts = self.parts
+        parts.mark("optimizer step")
         with dev.nvtx_range("optimizer"):
-            t.optimizer.step()
-            t.optimizer.zero_grad(set_to_none=True)
+            parts.optimizer.step()
+            parts.optimizer.zero_grad(set_to_none=True)

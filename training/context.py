@@ -1,14 +1,18 @@
-"""What a run knows about where it runs (not configuration): device, ranks, mesh, run folder; and
-who listens to it: the callbacks through which scripts that measure a run and tests that inject
-faults hook into a few named moments of training/trainer.py's loop, instead of changing it."""
+"""What a run knows about where it runs (not configuration): device, ranks, mesh, run folder; what
+a step is handed (:class:`StepParts`: the model, optimizer and the rest it uses, instead of the
+Trainer); and who listens to it: the callbacks through which scripts that measure a run and tests
+that inject faults hook into a few named moments of training/trainer.py's loop, instead of
+changing it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from distributed.mesh import ParallelMesh
 from utils.config import Config
@@ -43,6 +47,70 @@ class RunContext:
     @property
     def dp_group(self) -> Any:
         return self.mesh.dp_group
+
+
+@dataclass(eq=False)
+class StepParts:
+    """What a step variant (training/trainer.py's EagerStep and the variants extending it) and the
+    checkpoint's state classes (training/state.py) are handed instead of the Trainer: the
+    configuration, where the run runs, what the Trainer built, and the loop's progress. One copy:
+    the Trainer's attributes of these names are these fields (:class:`Part`)."""
+
+    cfg: Config
+    ctx: RunContext
+    local_batch: int  # this data-parallel rank's samples per step
+    train_data: Any = None  # utils/data_loader.py's Batches (or DALI's): its epoch length, last indices
+    amp_mode: str = "none"  # the autocast precision of the forward ("none" where FSDP or an engine casts)
+    attention_kernel: str = "default"  # utils/attention.py's kernel, kept on resume
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (prediction, target)
+    # built by the step variant, in this order; ``model`` is what steps (DDP, FSDP or an engine
+    # around ``raw_model``, which has the serial names); freezing replaces it mid-run
+    model: Any = None
+    raw_model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    scaler: Any = None  # torch.amp.GradScaler for fp16, else None
+    writer: Any = None  # TensorBoard's SummaryWriter, on rank 0 once training starts
+    # the loop's progress (the Trainer counts it, a checkpoint restores it)
+    step: int = 0  # optimizer steps done
+    epoch_steps: int = 0
+    epoch_loss: torch.Tensor | None = None  # this epoch's running sum (a device scalar)
+    grad_norms: list[torch.Tensor] = field(default_factory=list)  # this epoch's, before clipping
+    moe_stats: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per step: shares, aux
+    heartbeat: Any = None  # distributed/health.py's record of where this rank is (distributed runs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def fsdp_active(self) -> bool:
+        return self.cfg.layout.sharded and self.ctx.mesh.dp_size > 1
+
+    def mark(self, phase: str) -> None:
+        """Where this rank is in its work, for the diagnosis of a hang (distributed/health.py)."""
+        if self.heartbeat is not None:
+            self.heartbeat.mark(self.step, phase)
+
+
+class StepVariant(Protocol):
+    """A step variant as the checkpoint's state classes hold it (training/trainer.py: EagerStep)."""
+
+    parts: StepParts
+
+
+class Part:
+    """A Trainer attribute that is a field of its :class:`StepParts` (``trainer.model`` reads and
+    writes ``trainer.parts.model``): the Trainer and the step share one copy."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, holder: Any, owner: type | None = None) -> Any:
+        return self if holder is None else getattr(holder.parts, self.name)
+
+    def __set__(self, holder: Any, value: Any) -> None:
+        setattr(holder.parts, self.name, value)
 
 
 def local_batch_size(global_batch: int, dp_size: int, override: int | None = None) -> int:

@@ -42,9 +42,9 @@ from torch import nn
 from distributed import consolidate
 from distributed.parallelize import apply_activation_checkpointing, materialize, serial_values
 from networks.backbone import build_on_meta
-from training.context import RunContext
+from training.context import RunContext, StepParts
 from training.state import ModelState
-from training.trainer import EagerStep, Trainer
+from training.trainer import EagerStep
 from utils import checkpoint as ckpt
 from utils import compat
 from utils import device as dev
@@ -139,17 +139,14 @@ class DeepSpeedState(ModelState):
     """The project's consolidated checkpoint, assembled from ZeRO's partitions (never sharded)."""
 
     sharded = False
-
-    @property
-    def step(self) -> DeepSpeedStep:
-        return self.trainer.variant
+    variant: DeepSpeedStep
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """Whole fp32 tensors with the serial names (collective: each is assembled from the ranks'
         partitions); without a master copy (stage 0 in fp32) the weights themselves."""
-        frag = self.step.deepspeed.utils
+        frag = self.variant.deepspeed.utils
         state = {}
-        for name, p in self.trainer.raw_model.named_parameters():
+        for name, p in self.parts.raw_model.named_parameters():
             full = frag.safe_get_full_fp32_param(p)
             state[name] = (p if full is None else full).detach().clone()
         return state
@@ -157,33 +154,33 @@ class DeepSpeedState(ModelState):
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
         """Each tensor into the master copy (this rank's partition of it) and into the weights
         (ZeRO-3: gathered, written, partitioned again)."""
-        frag = self.step.deepspeed.utils
-        t = self.trainer
-        params = dict(t.raw_model.named_parameters())
+        frag = self.variant.deepspeed.utils
+        parts = self.parts
+        params = dict(parts.raw_model.named_parameters())
         consolidate.check_names(params, state)
         for name, p in params.items():
-            frag.safe_set_full_fp32_param(p, state[name].to(t.device, torch.float32))
-            gathered = self.step.deepspeed.zero.GatheredParameters([p], modifier_rank=0,
-                                                              enabled=t.cfg.layout.zero_stage == 3)
+            frag.safe_set_full_fp32_param(p, state[name].to(parts.device, torch.float32))
+            gathered = self.variant.deepspeed.zero.GatheredParameters([p], modifier_rank=0,
+                                                              enabled=parts.cfg.layout.zero_stage == 3)
             with gathered, torch.no_grad():
                 p.copy_(state[name].to(p.device, p.dtype))
 
     def optimizer_state(self) -> dict[str, Any]:
         """torch's optimizer state dict for the serial model's parameters (indices in their order)."""
-        optimizer = self.trainer.optimizer
+        optimizer = self.parts.optimizer
         groups = [{**g, "lr": optimizer.param_groups[0]["lr"],
                    "initial_lr": optimizer.param_groups[0].get("initial_lr", g["lr"])}
-                  for g in self.step.client_groups]
-        if optimizer is self.step.ds_optimizer:  # stage 0 in fp32: torch's optimizer on the weights
+                  for g in self.variant.client_groups]
+        if optimizer is self.variant.ds_optimizer:  # stage 0 in fp32: torch's optimizer on the weights
             return optimizer.state_dict()
         inner = optimizer.state
         if not inner:  # no step yet: nothing learned
             return {"state": {}, "param_groups": groups}
         first = next(iter(inner.values()))
         keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]  # per element
-        frag = self.step.deepspeed.utils
+        frag = self.variant.deepspeed.utils
         state = {}
-        for i, p in enumerate(self.trainer.raw_model.parameters()):
+        for i, p in enumerate(self.parts.raw_model.parameters()):
             # the step count is one per partition here, one per parameter in torch's format: each
             # its own tensor (Adam adds 1 to each in place; shared, one would count every parameter)
             state[i] = {k: v.clone() if torch.is_tensor(v) else v for k, v in first.items() if k not in keys}
@@ -191,8 +188,8 @@ class DeepSpeedState(ModelState):
         return {"state": state, "param_groups": groups}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        optimizer = self.trainer.optimizer
-        if optimizer is self.step.ds_optimizer:
+        optimizer = self.parts.optimizer
+        if optimizer is self.variant.ds_optimizer:
             optimizer.load_state_dict(state)
             return
         saved = state["param_groups"][0]
@@ -205,17 +202,18 @@ class DeepSpeedState(ModelState):
         keys = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]
         # DeepSpeed's optimizer creates its state in its first step; the set functions write
         # into it, so it is created here as that step would (zeros, then overwritten)
-        for flat in self.step.master_partitions():
+        for flat in self.variant.master_partitions():
             entry = optimizer.state[flat]
             entry.update({k: v.clone() if torch.is_tensor(v) else v for k, v in first.items()
                           if k not in keys})
             for k in keys:
                 entry[k] = torch.zeros_like(flat)
-        compat.deepspeed_link_optimizer_state(self.step.ds_optimizer)  # stages 1-2, bf16: fragments -> state
-        frag = self.step.deepspeed.utils
-        for i, p in enumerate(self.trainer.raw_model.parameters()):
+        # stages 1-2, bf16: the fragments linked to the state just made
+        compat.deepspeed_link_optimizer_state(self.variant.ds_optimizer)
+        frag = self.variant.deepspeed.utils
+        for i, p in enumerate(self.parts.raw_model.parameters()):
             for k in keys:
-                value = state["state"][i][k].to(self.trainer.device, torch.float32)
+                value = state["state"][i][k].to(self.parts.device, torch.float32)
                 frag.safe_set_full_optimizer_state(p, value, k)
 
 
@@ -224,18 +222,18 @@ class DeepSpeedStep(EagerStep):
 
     state_class = DeepSpeedState
 
-    def __init__(self, trainer: Trainer) -> None:
-        super().__init__(trainer)
-        cfg, ctx = trainer.cfg, trainer.ctx
+    def __init__(self, parts: StepParts) -> None:
+        super().__init__(parts)
+        cfg, ctx = parts.cfg, parts.ctx
         self.deepspeed = import_deepspeed()
-        self.ds_config = ds_config(cfg, trainer.local_batch, ctx.dp_size, ctx.device)
+        self.ds_config = ds_config(cfg, parts.local_batch, ctx.dp_size, ctx.device)
         self.input_dtype = torch.bfloat16 if cfg.optim.amp_mode == "bf16" else None
         log.info("DeepSpeed %s engine, ZeRO stage %d%s; its config: %s", self.deepspeed.__version__,
                  cfg.layout.zero_stage, " with CPU offload" if cfg.memory.cpu_offload else "",
                  ctx.run_dir / CONFIG_NAME)
 
     def run_started(self) -> None:
-        ctx = self.trainer.ctx
+        ctx = self.parts.ctx
         if ctx.is_main:  # the run directory is locked now: what ran, beside config.yaml
             text = json.dumps(self.ds_config, indent=2) + "\n"
             ctx.run_dir.mkdir(parents=True, exist_ok=True)
@@ -244,28 +242,29 @@ class DeepSpeedStep(EagerStep):
     # ------------------------------------------------------------------ building ---
     def build_model(self) -> nn.Module:
         """The serial model with the seed's weights, whole on every rank: DeepSpeed partitions it."""
-        t = self.trainer
-        serial, self.n_params = build_on_meta(t.cfg.model)
-        values = serial_values(serial, t.cfg.run.seed)
-        model = apply_activation_checkpointing(serial, t.cfg.memory.activation_checkpointing)
-        if t.cfg.optim.enable_jit:
+        parts = self.parts
+        serial, self.n_params = build_on_meta(parts.cfg.model)
+        values = serial_values(serial, parts.cfg.run.seed)
+        model = apply_activation_checkpointing(serial, parts.cfg.memory.activation_checkpointing)
+        if parts.cfg.optim.enable_jit:
             for unit in model.units().values():
                 unit.compile()
-        return materialize(model, t.ctx.mesh, t.device, values)
+        return materialize(model, parts.ctx.mesh, parts.device, values)
 
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        """Torch's optimizer, handed to ``deepspeed.initialize`` with the model; ``trainer.model``
-        becomes the engine. Returns the optimizer that steps (under ZeRO: over the flat fp32
-        partitions this rank owns), on which the project's schedule sets the learning rate."""
-        t = self.trainer
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """Torch's optimizer, handed to ``deepspeed.initialize`` with the model; the engine it
+        returns (``engine``) is what the Trainer steps from here on. Returns the optimizer that
+        steps (under ZeRO: over the flat fp32 partitions this rank owns), on which the project's
+        schedule sets the learning rate."""
+        parts = self.parts
         if not dist.is_initialized():  # one process: DeepSpeed still wants a process group (NCCL on a GPU)
-            dist.init_process_group(dev.backend_for(t.device, t.cfg.layout.dist_backend),
+            dist.init_process_group(dev.backend_for(parts.device, parts.cfg.layout.dist_backend),
                                     store=dist.HashStore(), rank=0, world_size=1)
-        os.environ.update(launcher_env(t.ctx, t.device))
-        client = super().build_optimizer()
+        os.environ.update(launcher_env(parts.ctx, parts.device))
+        client = super().build_optimizer(model)
         # the param groups' format of a checkpoint this engine writes (indices, hyperparameters)
         self.client_groups = client.state_dict()["param_groups"]
-        engine, optimizer, _, _ = self.deepspeed.initialize(model=t.model, optimizer=client,
+        engine, optimizer, _, _ = self.deepspeed.initialize(model=model, optimizer=client,
                                                             config=self.ds_config, dist_init_required=False)
         self.engine = engine  # the Trainer's model from here on
         self.ds_optimizer = optimizer  # ZeRO's (or bf16's) wrapper, or torch's Adam itself
@@ -282,30 +281,30 @@ class DeepSpeedStep(EagerStep):
         return inp if self.input_dtype is None else inp.to(self.input_dtype)
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        t = self.trainer
-        n = t.cfg.memory.grad_accum_steps
-        total = torch.zeros((), device=t.device)
+        parts = self.parts
+        n = parts.cfg.memory.grad_accum_steps
+        total = torch.zeros((), device=parts.device)
         for x, y in zip(inp.chunk(n), tar.chunk(n)):
-            t.mark("forward")
+            parts.mark("forward")
             with dev.nvtx_range("forward"):
                 loss = self.forward_loss(x, y)
-                objective = loss + t.balancing_loss()
-            t.mark("backward")
+                objective = loss + self.balancing_loss()
+            parts.mark("backward")
             with dev.nvtx_range("backward"):
-                t.model.backward(objective)  # / n; the gradients reduced at the last micro-batch
-            t.mark("optimizer step")
+                parts.model.backward(objective)  # / n; the gradients reduced at the last micro-batch
+            parts.mark("optimizer step")
             with dev.nvtx_range("optimizer"):
-                t.model.step()  # clip, step, zero the gradients: at the last micro-batch only
+                parts.model.step()  # clip, step, zero the gradients: at the last micro-batch only
             total += loss.detach() / n
-        t.scheduler.step()
-        norm = t.model.get_global_grad_norm()  # before clipping; None where DeepSpeed keeps none
-        if t.cfg.optim.grad_clip_norm and norm is not None:  # (stage 0 in fp32 clips with torch's function)
-            t.grad_norms.append(torch.as_tensor(float(norm)))
-        t.record_experts()
+        parts.scheduler.step()
+        norm = parts.model.get_global_grad_norm()  # before clipping; None where DeepSpeed keeps none
+        if parts.cfg.optim.grad_clip_norm and norm is not None:  # (stage 0 in fp32 clips with torch's)
+            parts.grad_norms.append(torch.as_tensor(float(norm)))
+        self.record_experts()
         return total
 
     def gathers_in_forward(self) -> bool:
-        return self.trainer.cfg.layout.zero_stage == 3  # every forward gathers parameters: ranks in lockstep
+        return self.parts.cfg.layout.zero_stage == 3  # every forward gathers parameters: ranks in lockstep
 
     # ------------------------------------------------------------------- memory ---
     def held_bytes(self) -> dict[str, int]:
@@ -314,11 +313,11 @@ class DeepSpeedStep(EagerStep):
         def size(t: torch.Tensor) -> int:
             return t.numel() * t.element_size()
 
-        raw = self.trainer.raw_model
+        raw = self.parts.raw_model
         working = [getattr(p, "ds_tensor", p) for p in raw.parameters()]
         own = {id(p) for p in raw.parameters()}
         masters = [p for p in self.master_partitions() if id(p) not in own]
-        state = [v for s in self.trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        state = [v for s in self.parts.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         return {"parameters": sum(size(p) for p in working), "step_gradients": self.gradient_bytes(),
                 "gradients": sum(size(p.grad) for p in raw.parameters() if p.grad is not None),
                 "optimizer_state": sum(size(p) for p in masters) + sum(size(v) for v in state)}
@@ -329,12 +328,12 @@ class DeepSpeedStep(EagerStep):
         flat = getattr(self.ds_optimizer, "fp32_partitioned_groups_flat", None)
         if flat is not None:
             return list(flat)
-        return [p for g in self.trainer.optimizer.param_groups for p in g["params"]]
+        return [p for g in self.parts.optimizer.param_groups for p in g["params"]]
 
     def gradient_bytes(self) -> int:
         """The gradients a step holds: whole at stages 0 and 1, this rank's partition at 2 and 3,
         in the weights' precision (DeepSpeed's default ``grad_accum_dtype``)."""
-        numel = sum(getattr(p, "ds_numel", p.numel()) for p in self.trainer.raw_model.parameters())
-        if self.trainer.cfg.layout.zero_stage >= 2:
-            numel = -(-numel // self.trainer.ctx.dp_size)
+        numel = sum(getattr(p, "ds_numel", p.numel()) for p in self.parts.raw_model.parameters())
+        if self.parts.cfg.layout.zero_stage >= 2:
+            numel = -(-numel // self.parts.ctx.dp_size)
         return numel * (2 if self.input_dtype == torch.bfloat16 else 4)

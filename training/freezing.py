@@ -23,6 +23,7 @@ carries what was frozen ("freezing"), so a run resumes exactly in the middle of 
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import statistics
@@ -38,8 +39,9 @@ from distributed.env import all_reduce_max
 from distributed.tags import unwrap
 from networks.backbone import backbone_class
 from training import checkpointing
+from training.context import StepParts
 from training.state import ModelState
-from training.trainer import EagerStep, Trainer
+from training.trainer import EagerStep
 from utils import checkpoint as ckpt
 from utils.config import Config
 
@@ -218,9 +220,9 @@ class FreezingState:
 
     sharded = False  # FSDP is refused with freezing: always the single file
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.weights = trainer.variant.weights_class(trainer)
+    def __init__(self, variant: Freezing) -> None:
+        self.variant = variant
+        self.weights = variant.weights_class(variant)
 
     def model_state(self) -> dict[str, torch.Tensor]:
         return self.weights.model_state()
@@ -229,11 +231,11 @@ class FreezingState:
         self.weights.load_model_state(state)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.weights.state_dict(), "freezing": self.trainer.variant.freezing_state()}
+        return {**self.weights.state_dict(), "freezing": self.variant.freezing_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # first the freezing: the optimizer then holds the parameters the checkpoint's did
-        self.trainer.variant.load_freezing_state(state.get("freezing") or {})
+        self.variant.load_freezing_state(state.get("freezing") or {})
         self.weights.load_state_dict(state)
 
 
@@ -255,9 +257,11 @@ class Freezing:
     state_class = FreezingState
     weights_class: type[ModelState] = ModelState  # the variant's own model-and-optimizer part
 
-    def __init__(self, trainer: Trainer) -> None:
-        super().__init__(trainer)
-        cfg = trainer.cfg
+    parts: StepParts  # (EagerStep's, which this class comes before)
+
+    def __init__(self, parts: StepParts) -> None:
+        super().__init__(parts)
+        cfg = parts.cfg
         self.frozen = 0  # blocks frozen now
         self.decided = 0  # gradnorm: blocks frozen from the next interval on
         self.order = freeze_order(cfg)
@@ -271,11 +275,11 @@ class Freezing:
     # ------------------------------------------------------------ the schedule ---
     def every(self) -> int:
         """Steps per epoch of the formula, and per interval of the gradient test."""
-        return self.trainer.cfg.freeze.freeze_every or self.trainer.train_data.batches_per_epoch
+        return self.parts.cfg.freeze.freeze_every or self.parts.train_data.batches_per_epoch
 
     def scheduled(self, step: int) -> int:
         """Blocks frozen during ``step`` (0-based)."""
-        cfg = self.trainer.cfg
+        cfg = self.parts.cfg
         if cfg.freeze.freeze_schedule == "formula":
             return formula_frozen(cfg.model.depth, cfg.freeze.freeze_alpha, step // self.every())
         if cfg.freeze.freeze_schedule == "steps":
@@ -291,35 +295,35 @@ class Freezing:
         out of the optimizer with their state, out of the gradient sync."""
         if count <= self.frozen:
             return
-        t = self.trainer
-        blocks, part_of = self.frozen_blocks(count), backbone_class(t.cfg.model).part_of
-        newly = [p for name, p in t.raw_model.named_parameters()
+        parts = self.parts
+        blocks, part_of = self.frozen_blocks(count), backbone_class(parts.cfg.model).part_of
+        newly = [p for name, p in parts.raw_model.named_parameters()
                  if p.requires_grad and frozen_parameter(part_of(name), blocks)]
         for p in newly:
             p.requires_grad_(False)
             p.grad = None
-        leave_optimizer(t.optimizer, newly)
+        leave_optimizer(parts.optimizer, newly)
         self.frozen = count
         self.leave_gradient_sync()
         log.info("step %d: %d of %d blocks frozen (%s), %d parameters still train", step, count,
-                 t.cfg.model.depth, "embedding + blocks " + ", ".join(map(str, sorted(blocks))),
-                 sum(p.numel() for p in t.raw_model.parameters() if p.requires_grad))
+                 parts.cfg.model.depth, "embedding + blocks " + ", ".join(map(str, sorted(blocks))),
+                 sum(p.numel() for p in parts.raw_model.parameters() if p.requires_grad))
 
     def leave_gradient_sync(self) -> None:
         """The frozen parameters leave the gradient sync (a pipeline's average skips parameters
         without a gradient by itself)."""
 
-    def build_optimizer(self) -> torch.optim.Optimizer:
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The step's optimizer, without the parameters frozen when the model was built (a
         pipeline that resumes builds its frozen prefix apart)."""
-        optimizer = super().build_optimizer()
-        leave_optimizer(optimizer, [p for p in self.trainer.model.parameters() if not p.requires_grad])
+        optimizer = super().build_optimizer(model)
+        leave_optimizer(optimizer, [p for p in model.parameters() if not p.requires_grad])
         return optimizer
 
     # ------------------------------------------------------------------ steps ---
     def prefix_model(self) -> nn.Module:
         """The module that holds the frozen embedding and blocks (a ViT, whole or cut)."""
-        return self.trainer.raw_model
+        return self.parts.raw_model
 
     @torch.no_grad()
     def prefix_output(self, inp: torch.Tensor) -> torch.Tensor:
@@ -329,30 +333,30 @@ class Freezing:
         with self.compute():
             if self.cache is None:
                 return run(inp, 0, self.frozen)
-            return self.cache.tokens(self.trainer.train_data.last_indices, inp, self.frozen, run)
+            return self.cache.tokens(self.parts.train_data.last_indices, inp, self.frozen, run)
 
     def optimizer_step(self) -> None:
-        t = self.trainer
+        parts = self.parts
         if self.rule is not None:
             self.rule.add(self.block_norms())
         super().optimizer_step()
-        if self.rule is not None and (t.step + 1) % self.every() == 0:
-            decided = torch.tensor(float(self.rule.decide(self.frozen)), device=t.device)
+        if self.rule is not None and (parts.step + 1) % self.every() == 0:
+            decided = torch.tensor(float(self.rule.decide(self.frozen)), device=parts.device)
             self.decided = max(self.decided, int(all_reduce_max(decided).item()))  # every rank alike
 
     def block_norms(self) -> torch.Tensor:
         """Per block, the L1 norm of its gradients this step (the blocks this rank holds)."""
-        t = self.trainer
-        norms = torch.zeros(t.cfg.model.depth, device=t.device)
-        part_of = backbone_class(t.cfg.model).part_of
-        for name, p in unwrap(t.model).named_parameters():  # DDP's names start with "module."
+        parts = self.parts
+        norms = torch.zeros(parts.cfg.model.depth, device=parts.device)
+        part_of = backbone_class(parts.cfg.model).part_of
+        for name, p in unwrap(parts.model).named_parameters():  # DDP's names start with "module."
             if p.grad is not None and isinstance(block := part_of(name), int):
                 norms[block] += p.grad.detach().abs().sum().float()
         return norms
 
     # ------------------------------------------------------------ checkpoint ---
     def freezing_state(self) -> dict[str, Any]:
-        return {"frozen": self.frozen, "next": self.scheduled(self.trainer.step), "decided": self.decided,
+        return {"frozen": self.frozen, "next": self.scheduled(self.parts.step), "decided": self.decided,
                 "start_pipeline": self.start_pipeline, "epoch_frozen": list(self.epoch_frozen),
                 "epoch_stages": list(self.epoch_stages),
                 "gradnorm": self.rule.state_dict() if self.rule is not None else None}
@@ -363,14 +367,14 @@ class Freezing:
         self.epoch_frozen = list(state.get("epoch_frozen", []))
         self.epoch_stages = list(state.get("epoch_stages", []))
         if self.rule is not None and state.get("gradnorm"):
-            self.rule.load_state_dict(state["gradnorm"], self.trainer.device)
-        self.freeze(state.get("frozen", 0), self.trainer.step)
+            self.rule.load_state_dict(state["gradnorm"], self.parts.device)
+        self.freeze(state.get("frozen", 0), self.parts.step)
 
     # -------------------------------------------------------------- metrics ---
     def epoch_record(self) -> dict[str, Any]:
         """The blocks frozen at each step of the epoch (and the cache's rates), for metrics.jsonl;
         TensorBoard gets one point per step."""
-        t = self.trainer
+        parts = self.parts
         record: dict[str, Any] = {"frozen_blocks": self.epoch_frozen, "pipeline_stages": self.epoch_stages}
         if self.cache is not None:
             record.update(self.cache.report())
@@ -378,19 +382,19 @@ class Freezing:
                      "computed %.0f%% (%.1f MiB kept)", self.frozen, 100 * record["cache_hit_rate"],
                      100 * record["cache_extended_rate"], 100 * record["cache_missed_rate"],
                      record["cache_MiB"])
-        if t.writer is not None:
-            first = t.step - len(self.epoch_frozen) + 1
+        if parts.writer is not None:
+            first = parts.step - len(self.epoch_frozen) + 1
             for i, count in enumerate(self.epoch_frozen):
-                t.writer.add_scalar("Freezing/frozen blocks", count, first + i)
+                parts.writer.add_scalar("Freezing/frozen blocks", count, first + i)
             for key in ("cache_hit_rate", "cache_extended_rate", "cache_MiB"):
                 if key in record:
-                    t.writer.add_scalar(f"Freezing/{key}", record[key], t.step)
+                    parts.writer.add_scalar(f"Freezing/{key}", record[key], parts.step)
         self.epoch_frozen, self.epoch_stages = [], []
         return record
 
     def stages(self) -> list[list[int]]:
         """Each pipeline stage's active blocks as [start, stop) (one stage without a pipeline)."""
-        return [[self.frozen if self.prefix else 0, self.trainer.cfg.model.depth]]
+        return [[self.frozen if self.prefix else 0, self.parts.cfg.model.depth]]
 
     def count_step(self) -> None:
         """Note this step's frozen blocks and stages, for the epoch's record."""
@@ -404,37 +408,39 @@ class FreezingStep(Freezing, EagerStep):
     def run_started(self) -> None:
         """Before the first step: what the schedule freezes from it (a resumed run has it already)."""
         super().run_started()
-        self.freeze(self.scheduled(self.trainer.step), self.trainer.step)
+        self.freeze(self.scheduled(self.parts.step), self.parts.step)
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         """The frozen prefix runs apart: its output (B, N, D) is what the rest of the model trains
         on. After the step, what the schedule freezes from the next one on, so that the next
         step (and a checkpoint before it) finds the model, optimizer and DDP it will use."""
-        t = self.trainer
+        parts = self.parts
         self.count_step()
         if self.frozen and self.prefix:
             inp = self.prefix_output(inp)
         loss = super().train_step(inp, tar)
-        if t.step + 1 < t.cfg.optim.num_iters:
-            self.freeze(self.scheduled(t.step + 1), t.step + 1)
+        if parts.step + 1 < parts.cfg.optim.num_iters:
+            self.freeze(self.scheduled(parts.step + 1), parts.step + 1)
         return loss
 
     def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         if not (self.frozen and self.prefix):
             return super().forward_loss(inp, tar)
-        t = self.trainer
+        parts = self.parts
         with self.compute(cache_enabled=self.autocast_cache):
-            pred = t.model(inp, first_unit=self.frozen)  # inp: the frozen prefix's output tokens
-        return t.loss_fn(pred.float(), tar)
+            pred = parts.model(inp, first_unit=self.frozen)  # inp: the frozen prefix's output tokens
+        return parts.loss_fn(pred.float(), tar)
 
     def leave_gradient_sync(self) -> None:
         """DDP reduces the parameters that required a gradient when it was built: it is built
         again around those that still do (the old one's hooks go with it)."""
-        t = self.trainer
-        if not isinstance(t.model, DistributedDataParallel):
+        parts = self.parts
+        if not isinstance(parts.model, DistributedDataParallel):
             return
         from distributed.tags import wrap_data_parallel
 
-        mesh, layout = t.ctx.mesh, t.cfg.layout
-        t.replace_model(lambda: wrap_data_parallel(t.raw_model, mesh, t.device, layout, t.cfg.run.seed))
+        parts.model = None  # the old wrapper's hooks are freed before the new one is built
+        gc.collect()
+        parts.model = wrap_data_parallel(parts.raw_model, parts.ctx.mesh, parts.device, parts.cfg.layout,
+                                         parts.cfg.run.seed)
 

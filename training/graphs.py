@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from training.context import RunContext
+from training.context import RunContext, StepParts
 from training.schedule import optimizer_choice
 from training.state import ModelState
-from training.trainer import EagerStep, Trainer
+from training.trainer import EagerStep
 from utils import compat
 from utils import device as dev
 from utils.config import Config
@@ -42,7 +42,7 @@ class GraphState(ModelState):
     """As every run's, but the learning-rate tensors the captured graph reads stay in place."""
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        keep_lr_tensors(self.trainer.optimizer, lambda: super(GraphState, self).load_optimizer_state(state))
+        keep_lr_tensors(self.parts.optimizer, lambda: super(GraphState, self).load_optimizer_state(state))
 
 
 class GraphStep(EagerStep):
@@ -86,41 +86,40 @@ class GraphStep(EagerStep):
             raise ValueError("train_graph.py captures one plain DDP step: use --data_parallel ddp and "
                              "--grad_accum_steps 1 (train.py runs zero1, fsdp and accumulation)")
 
-    def __init__(self, trainer: Trainer) -> None:
-        super().__init__(trainer)
-        self.stream = dev.new_stream(trainer.device)
+    def __init__(self, parts: StepParts) -> None:
+        super().__init__(parts)
+        self.stream = dev.new_stream(parts.device)
         self.eager_steps = 0
         self.graph = None
         self.static_inp = self.static_tar = self.static_loss = None
 
     @property
     def warmup_steps(self) -> int:
-        ddp = isinstance(self.trainer.model, DistributedDataParallel)
+        ddp = isinstance(self.parts.model, DistributedDataParallel)
         return DDP_WARMUP_STEPS if ddp else EAGER_WARMUP_STEPS
 
     def build_model(self) -> nn.Module:
-        with dev.on_stream(self.stream, self.trainer.device):
+        with dev.on_stream(self.stream, self.parts.device):
             return super().build_model()
 
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        return capturable_optimizer(self.trainer.model.parameters(), self.trainer.cfg.optim,
-                                    self.trainer.device)
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return capturable_optimizer(model.parameters(), self.parts.cfg.optim, self.parts.device)
 
     def capture(self, inp: torch.Tensor, tar: torch.Tensor) -> None:
         """Record one step on static buffers; gradients are allocated inside the graph."""
-        t = self.trainer
+        parts = self.parts
         self.static_inp, self.static_tar = inp.clone(), tar.clone()
-        t.optimizer.zero_grad(set_to_none=True)
+        parts.optimizer.zero_grad(set_to_none=True)
         self.graph = dev.new_cuda_graph()
         with dev.graph_capture(self.graph, self.stream):
             loss = self.forward_loss(self.static_inp, self.static_tar)
             loss.backward()
-            t.optimizer.step()
+            parts.optimizer.step()
         self.static_loss = loss.detach()
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         if self.graph is None and self.eager_steps < self.warmup_steps:
-            with dev.on_stream(self.stream, self.trainer.device):
+            with dev.on_stream(self.stream, self.parts.device):
                 loss = super().train_step(inp, tar)
             self.eager_steps += 1
             return loss
@@ -130,7 +129,7 @@ class GraphStep(EagerStep):
             self.static_inp.copy_(inp)
             self.static_tar.copy_(tar)
             self.graph.replay()
-        self.trainer.scheduler.step()
+        self.parts.scheduler.step()
         return self.static_loss.clone()  # the next replay overwrites static_loss
 
 

@@ -36,17 +36,17 @@ class PipelineState(ModelState):
 
     @property
     def serial_names(self) -> list[str]:
-        return self.trainer.variant.serial_names
+        return self.variant.serial_names
 
     def _own_names(self) -> list[str]:
-        return [name for name, _ in self.trainer.raw_model.named_parameters()]
+        return [name for name, _ in self.parts.raw_model.named_parameters()]
 
     def model_state(self) -> dict[str, torch.Tensor]:
         own = {k: v.cpu() for k, v in super().model_state().items()}
-        parts = self.trainer.model.gather_to_first(own)
-        if parts is None:
+        stages = self.parts.model.gather_to_first(own)
+        if stages is None:
             return {}
-        merged = {k: v for part in parts for k, v in part.items()}
+        merged = {k: v for stage in stages for k, v in stage.items()}
         return {name: merged[name] for name in self.serial_names}
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -60,12 +60,12 @@ class PipelineState(ModelState):
         part = {"state": {index[i]: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
                           for i, s in state.get("state", {}).items()},
                 "param_groups": state.get("param_groups", [])}
-        parts = self.trainer.model.gather_to_first(part)
-        if parts is None or not state:
+        stages = self.parts.model.gather_to_first(part)
+        if stages is None or not state:
             return {}
-        group = dict(parts[0]["param_groups"][0])
+        group = dict(stages[0]["param_groups"][0])
         group["params"] = list(range(len(self.serial_names)))
-        return {"state": {i: s for p in parts for i, s in p["state"].items()}, "param_groups": [group]}
+        return {"state": {i: s for p in stages for i, s in p["state"].items()}, "param_groups": [group]}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         serial = {name: i for i, name in enumerate(self.serial_names)}
@@ -80,20 +80,19 @@ class PipelineState(ModelState):
 class PipelineStep(EagerStep):
     state_class = PipelineState
     def build_model(self) -> pipeline.Pipeline:
-        t = self.trainer
         # as EagerStep.build_parallel_model: each stage allocates only itself
-        serial, self.n_params = build_on_meta(t.cfg.model)
+        cfg, mesh, device = self.parts.cfg, self.parts.ctx.mesh, self.parts.device
+        serial, self.n_params = build_on_meta(cfg.model)
         self.serial_names = [name for name, _ in serial.named_parameters()]
-        values = serial_values(serial, t.cfg.run.seed)
-        cfg, mesh = t.cfg, t.ctx.mesh
+        values = serial_values(serial, cfg.run.seed)
 
         def parallel_stage(stage: torch.nn.Module) -> torch.nn.Module:
-            return parallelize(stage, mesh, t.device, cfg.layout, cfg.memory, cfg.optim, cfg.run.seed, values)
+            return parallelize(stage, mesh, device, cfg.layout, cfg.memory, cfg.optim, cfg.run.seed, values)
 
-        model = pipeline.build(serial, mesh, cfg.layout, t.device, parallel_stage, self.micro_batch_loss,
+        model = pipeline.build(serial, mesh, cfg.layout, device, parallel_stage, self.micro_batch_loss,
                                **self.stage_layout())
         log.info("%s; this rank holds stages %s: %d of the model's %d parameters",
-                 t.ctx.mesh.describe(), model.stage_ids, sum(p.numel() for p in model.parameters()),
+                 mesh.describe(), model.stage_ids, sum(p.numel() for p in model.parameters()),
                  self.n_params)
         return model
 
@@ -103,22 +102,22 @@ class PipelineStep(EagerStep):
         return {}
 
     def micro_batch_loss(self, pred: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        return self.trainer.loss_fn(pred.float(), tar)
+        return self.parts.loss_fn(pred.float(), tar)
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         # the schedule runs forward and backward: autocast covers both, which is harmless (the
         # backward of each operation runs in the dtype its forward chose)
         with dev.nvtx_range("pipeline schedule"), self.compute():
-            loss = self.trainer.model.step(inp, tar)
+            loss = self.parts.model.step(inp, tar)
         self.optimizer_step()
         return loss
 
     def predict(self, inp: torch.Tensor) -> torch.Tensor | None:
         with self.compute():
-            return self.trainer.model.forward(inp)
+            return self.parts.model.forward(inp)
 
     def metric_groups(self) -> list[Any]:
-        return [self.trainer.ctx.dp_group, self.trainer.model.group]
+        return [self.parts.ctx.dp_group, self.parts.model.group]
 
     def to_device(self, inp: torch.Tensor, tar: torch.Tensor,
                   validating: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,14 +125,14 @@ class PipelineStep(EagerStep):
         stage, the target for the last (in validation the last stage also reads the input, for
         persistence). A middle stage on a GPU would otherwise copy a whole batch it never reads
         every step; it keeps the host tensors, whose shapes are all it needs."""
-        t = self.trainer
-        nb = t.device.type == "cuda"
-        if t.model.is_first or (t.model.is_last and validating):
-            inp = inp.to(t.device, non_blocking=nb)
-        if t.model.is_last:
-            tar = tar.to(t.device, non_blocking=nb)
+        parts = self.parts
+        nb = parts.device.type == "cuda"
+        if parts.model.is_first or (parts.model.is_last and validating):
+            inp = inp.to(parts.device, non_blocking=nb)
+        if parts.model.is_last:
+            tar = tar.to(parts.device, non_blocking=nb)
         return inp, tar
 
     def validated(self, result: dict[str, Any]) -> dict[str, Any]:
-        result["example"] = self.trainer.model.from_last_stage(result["example"])  # for rank 0's images
+        result["example"] = self.parts.model.from_last_stage(result["example"])  # for rank 0's images
         return result

@@ -92,21 +92,21 @@ class FreezingPipelineStep(Freezing, PipelineStep):
     def scheduled(self, step: int) -> int:
         """Without re-pipelining each stage keeps one active block at least."""
         count = super().scheduled(step)
-        cfg = self.trainer.cfg
+        cfg = self.parts.cfg
         if cfg.freeze.freeze_repipeline:
             return count
         return min(count, cfg.model.depth - cfg.layout.pipeline_parallel)
 
     def build_model(self) -> Pipeline:
         """The stages for the blocks frozen at the step this run starts from (its checkpoint's)."""
-        t = self.trainer
-        saved = saved_freezing(t.ctx.run_dir)
+        parts = self.parts
+        saved = saved_freezing(parts.ctx.run_dir)
         self.start_pipeline = saved.get("start_pipeline", self.start_pipeline)
         self.decided = saved.get("decided", 0)
-        pp = t.cfg.layout.pipeline_parallel
+        pp = parts.cfg.layout.pipeline_parallel
         # a checkpoint past this layout: stages that can be built, then next_layout moves on
-        self.frozen = min(saved.get("next", self.scheduled(0)), t.cfg.model.depth - pp)
-        self.ranges = pipeline_layout(t.cfg, self.frozen, pp, shrink=False)[1]
+        self.frozen = min(saved.get("next", self.scheduled(0)), parts.cfg.model.depth - pp)
+        self.ranges = pipeline_layout(parts.cfg, self.frozen, pp, shrink=False)[1]
         model = super().build_model()
         if model.prefix is not None:
             model.prefix.requires_grad_(False)
@@ -116,15 +116,15 @@ class FreezingPipelineStep(Freezing, PipelineStep):
         return {"ranges": self.ranges, "prefix": self.frozen}
 
     def prefix_model(self) -> torch.nn.Module:
-        return self.trainer.model.prefix
+        return self.parts.model.prefix
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
-        t = self.trainer
-        if self.scheduled(t.step) != self.frozen:  # next_layout() moves on before such a step
-            raise RuntimeError(f"step {t.step}: stages built for {self.frozen} frozen blocks, the "
-                               f"schedule says {self.scheduled(t.step)}")
+        parts = self.parts
+        if self.scheduled(parts.step) != self.frozen:  # next_layout() moves on before such a step
+            raise RuntimeError(f"step {parts.step}: stages built for {self.frozen} frozen blocks, the "
+                               f"schedule says {self.scheduled(parts.step)}")
         self.count_step()
-        if self.frozen and t.model.is_first:
+        if self.frozen and parts.model.is_first:
             inp = self.prefix_output(inp)  # the first stage takes the frozen prefix's tokens
         return super().train_step(inp, tar)
 
@@ -133,15 +133,15 @@ class FreezingPipelineStep(Freezing, PipelineStep):
 
     def next_layout(self) -> dict[str, Any] | None:
         """The stages the next step needs, when they are not these."""
-        t = self.trainer
-        if t.step >= t.cfg.optim.num_iters:
+        step, cfg = self.parts.step, self.parts.cfg
+        if step >= cfg.optim.num_iters:
             return None
-        count = self.scheduled(t.step)
-        pp, ranges = pipeline_layout(t.cfg, count, self.start_pipeline, t.cfg.freeze.freeze_repipeline)
-        if (count, pp, ranges) == (self.frozen, t.cfg.layout.pipeline_parallel, self.ranges):
+        count = self.scheduled(step)
+        pp, ranges = pipeline_layout(cfg, count, self.start_pipeline, cfg.freeze.freeze_repipeline)
+        if (count, pp, ranges) == (self.frozen, cfg.layout.pipeline_parallel, self.ranges):
             return None
         return {"pipeline_parallel": pp}
 
     def block_norms(self) -> torch.Tensor:
         """Each stage has its own blocks' norms: summed over the pipeline, every rank has all."""
-        return all_reduce_sum(super().block_norms(), self.trainer.model.group)
+        return all_reduce_sum(super().block_norms(), self.parts.model.group)

@@ -24,7 +24,7 @@ import torch
 
 from distributed.env import all_reduce_sum
 from training import checkpointing
-from training.context import TrainingError
+from training.context import StepParts, StepVariant, TrainingError
 from utils import attention
 from utils import checkpoint as ckpt
 
@@ -34,34 +34,34 @@ log = logging.getLogger(__name__)
 class LoopState:
     """The loop's own state: the step, the epoch's running loss, the attention kernel chosen."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer  # training/trainer.py's Trainer
+    def __init__(self, parts: StepParts) -> None:
+        self.parts = parts  # the loop's progress is written here, into what the Trainer and step share
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: the loss is summed over the data-parallel ranks. A NaN or infinite loss or
         weight is refused on every rank alike: it would replace the last good checkpoint with one
         no rerun can recover from."""
-        t = self.trainer
-        epoch_loss = all_reduce_sum(t.epoch_loss.clone(), t.ctx.dp_group).item()
-        refuse_unsound(epoch_loss, t.raw_model.parameters(), t.device, t.step, t.ctx.run_dir)
+        parts = self.parts
+        epoch_loss = all_reduce_sum(parts.epoch_loss.clone(), parts.ctx.dp_group).item()
+        refuse_unsound(epoch_loss, parts.raw_model.parameters(), parts.device, parts.step, parts.ctx.run_dir)
         return {
-            "step": t.step,
-            "attention_kernel": t.attention_kernel,
+            "step": parts.step,
+            "attention_kernel": parts.attention_kernel,
             "epoch_loss_sum": epoch_loss,  # summed over data-parallel ranks...
-            "epoch_loss_ranks": t.ctx.dp_size,  # ...of which there were this many
-            "epoch_steps": t.epoch_steps,
+            "epoch_loss_ranks": parts.ctx.dp_size,  # ...of which there were this many
+            "epoch_steps": parts.epoch_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        t = self.trainer
-        kernel = kept_attention_kernel(t.cfg.optim.attention_kernel, t.attention_kernel,
-                                       state.get("attention_kernel"), t.device)
-        t.restore_progress(state["step"], kernel, state["epoch_steps"])
+        parts = self.parts
+        kernel = kept_attention_kernel(parts.cfg.optim.attention_kernel, parts.attention_kernel,
+                                       state.get("attention_kernel"), parts.device)
+        parts.step, parts.attention_kernel, parts.epoch_steps = state["step"], kernel, state["epoch_steps"]
         # the epoch's loss sum so far goes to one rank, so the epoch-end reduction counts it once;
         # rescaled from the data-parallel ranks that summed it to those that will average it
-        ranks = state.get("epoch_loss_ranks", t.ctx.dp_size)
-        loss_sum = state["epoch_loss_sum"] * t.ctx.dp_size / ranks
-        t.epoch_loss.fill_(loss_sum if t.ctx.dp_rank == 0 else 0.0)
+        ranks = state.get("epoch_loss_ranks", parts.ctx.dp_size)
+        loss_sum = state["epoch_loss_sum"] * parts.ctx.dp_size / ranks
+        parts.epoch_loss.fill_(loss_sum if parts.ctx.dp_rank == 0 else 0.0)
 
 
 def refuse_unsound(epoch_loss_sum: float, params: Any, device: torch.device, step: int,
@@ -102,14 +102,15 @@ def kept_attention_kernel(setting: str, current: str, saved: str | None, device:
 class ModelState:
     """The model's and optimizer's state (``state_dict`` / ``load_state_dict``), and FSDP's shards."""
 
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer  # training/trainer.py's Trainer: its model, optimizer, mesh
+    def __init__(self, variant: StepVariant) -> None:
+        self.variant = variant  # the step variant (training/trainer.py's EagerStep or one extending it)
+        self.parts = variant.parts  # its model, optimizer, mesh
 
     @property
     def sharded(self) -> bool:
         """FSDP alone writes sharded checkpoints (with tp its tensors are tp slices: consolidated)."""
-        t = self.trainer
-        return t.fsdp_active and not t.ctx.mesh.model_parallel
+        parts = self.parts
+        return parts.fsdp_active and not parts.ctx.mesh.model_parallel
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model_state(), "optimizer": self.optimizer_state()}
@@ -117,33 +118,33 @@ class ModelState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from training.upgrade import upgrade_checkpoint  # an older checkpoint's layout: the current one
 
-        state = upgrade_checkpoint(state, self.trainer.cfg.model)
+        state = upgrade_checkpoint(state, self.parts.cfg.model)
         self.load_model_state(state["model"])
-        checkpointing.keep_kernel_flags(self.trainer.optimizer,
+        checkpointing.keep_kernel_flags(self.parts.optimizer,
                                         lambda: self.load_optimizer_state(state["optimizer"]))
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        t = self.trainer
-        if t.ctx.mesh.world_size == 1:  # one device: the weights as they are, copied to host memory
-            return {name: p.detach().to("cpu", copy=True) for name, p in t.raw_model.named_parameters()}
+        parts = self.parts
+        if parts.ctx.mesh.world_size == 1:  # one device: the weights as they are, copied to host memory
+            return {name: p.detach().to("cpu", copy=True) for name, p in parts.raw_model.named_parameters()}
         from distributed import consolidate
 
-        state = consolidate.full_state(t.raw_model, t.ctx.mesh)
-        if t.ctx.mesh.expert_parallel > 1:
-            state = experts().full_model_state(t.raw_model, t.ctx.mesh, state)
+        state = consolidate.full_state(parts.raw_model, parts.ctx.mesh)
+        if parts.ctx.mesh.expert_parallel > 1:
+            state = experts().full_model_state(parts.raw_model, parts.ctx.mesh, state)
         return state
 
     @torch.no_grad()
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        t = self.trainer
-        if t.ctx.mesh.world_size > 1:
+        parts = self.parts
+        if parts.ctx.mesh.world_size > 1:
             from distributed import consolidate
 
-            if t.ctx.mesh.expert_parallel > 1:
-                state = experts().local_model_state(t.raw_model, state)
-            consolidate.load_full_state(t.raw_model, state, t.ctx.mesh)
+            if parts.ctx.mesh.expert_parallel > 1:
+                state = experts().local_model_state(parts.raw_model, state)
+            consolidate.load_full_state(parts.raw_model, state, parts.ctx.mesh)
             return
-        own = dict(t.raw_model.named_parameters())
+        own = dict(parts.raw_model.named_parameters())
         ckpt.check_names(own, state)
         for name, p in own.items():
             if state[name].shape != p.shape:
@@ -152,37 +153,37 @@ class ModelState:
             p.copy_(state[name])
 
     def optimizer_state(self) -> dict[str, Any]:
-        t = self.trainer
-        if t.ctx.mesh.world_size == 1:  # Adam's moments copied to host memory, its step counts kept
-            state = t.optimizer.state_dict()
+        parts = self.parts
+        if parts.ctx.mesh.world_size == 1:  # Adam's moments copied to host memory, its step counts kept
+            state = parts.optimizer.state_dict()
             state["state"] = {i: {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) and v.dim() else v
                                   for k, v in s.items()} for i, s in state["state"].items()}
             return by_model_position(state, self.positions())
         from distributed import consolidate
 
-        state = consolidate.full_optimizer_state(t.optimizer, t.ctx.mesh)
-        if t.ctx.mesh.expert_parallel > 1:
-            state = experts().full_optimizer_state(t.raw_model, t.ctx.mesh, state)
+        state = consolidate.full_optimizer_state(parts.optimizer, parts.ctx.mesh)
+        if parts.ctx.mesh.expert_parallel > 1:
+            state = experts().full_optimizer_state(parts.raw_model, parts.ctx.mesh, state)
         return by_model_position(state, self.positions()) if state else state
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        t = self.trainer
+        parts = self.parts
         state = by_optimizer_position(state, self.positions())
-        if t.ctx.mesh.world_size == 1:
-            t.optimizer.load_state_dict(state)
+        if parts.ctx.mesh.world_size == 1:
+            parts.optimizer.load_state_dict(state)
             return
         from distributed import consolidate
 
-        if t.ctx.mesh.expert_parallel > 1:
-            state = experts().local_optimizer_state(t.raw_model, state)
-        consolidate.load_full_optimizer_state(t.optimizer, state, t.ctx.mesh)
+        if parts.ctx.mesh.expert_parallel > 1:
+            state = experts().local_optimizer_state(parts.raw_model, state)
+        consolidate.load_full_optimizer_state(parts.optimizer, state, parts.ctx.mesh)
 
     def positions(self) -> list[int] | None:
         """Where each of the optimizer's parameters is among the model's, when it holds fewer than
         all of them (frozen ones left it: training/freezing.py); None when it holds them all."""
-        t = self.trainer
-        model = list(t.raw_model.parameters())
-        optimizer = [p for group in t.optimizer.param_groups for p in group["params"]]
+        parts = self.parts
+        model = list(parts.raw_model.parameters())
+        optimizer = [p for group in parts.optimizer.param_groups for p in group["params"]]
         if len(optimizer) == len(model):
             return None
         where = {id(p): i for i, p in enumerate(model)}
@@ -192,14 +193,14 @@ class ModelState:
         """FSDP: this rank's shards of the model and optimizer, for a sharded checkpoint."""
         from training import sharded_checkpoint as sharded
 
-        return sharded.model_and_optimizer(self.trainer.raw_model, self.trainer.optimizer)
+        return sharded.model_and_optimizer(self.parts.raw_model, self.parts.optimizer)
 
     def load_shards(self, path: Path) -> None:
         from training import sharded_checkpoint as sharded
 
-        t = self.trainer
-        checkpointing.keep_kernel_flags(t.optimizer,
-                                        lambda: sharded.load_into(path, t.raw_model, t.optimizer))
+        parts = self.parts
+        checkpointing.keep_kernel_flags(parts.optimizer,
+                                        lambda: sharded.load_into(path, parts.raw_model, parts.optimizer))
 
 
 def by_model_position(state: dict[str, Any], positions: list[int] | None) -> dict[str, Any]:

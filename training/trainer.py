@@ -20,24 +20,25 @@ compile) the model hand it to distributed/parallelize.py, which the first lesson
 from __future__ import annotations
 
 import contextlib
-import gc
+import functools
 import itertools
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distributed.env import all_reduce_max, all_reduce_sum, heartbeat
+from distributed.env import all_reduce_max, all_reduce_sum
+from distributed.env import heartbeat as new_heartbeat
 from distributed.stop import StopAgreement
 from networks.backbone import build_on_meta, count_parameters
-from training import checkpointing, reporting, validation
-from training.context import Callback, RunContext, TrainingError, check_micro_batches, needs_parallelize
+from training import checkpointing, context, reporting, validation
+from training.context import Callback, Part, RunContext, StepParts, TrainingError
 from training.schedule import make_lr_lambda, optimizer_choice
 from training.state import LoopState, ModelState
 from utils import attention
@@ -49,14 +50,14 @@ from utils.era5 import channel_names
 from utils.metrics import latitude_weights, relative_l2_loss
 from utils.signals import received
 
-if TYPE_CHECKING:  # imported by the rank that writes (open_writer): 0.15 s of every other rank's start
-    from torch.utils.tensorboard import SummaryWriter
 log = logging.getLogger(__name__)
 
 
 class EagerStep:
-    """One training step, run eagerly: forward, loss, backward, optimizer step. It builds what it
-    steps (the model on this rank, the optimizer) and says what of them a checkpoint holds.
+    """One training step, run eagerly: forward, loss, backward, optimizer step. It is handed
+    ``parts`` (training/context.py: the configuration, the device and mesh, the model, optimizer,
+    schedule and scaler once built, the loop's progress), builds and returns what it steps (the
+    model on this rank, the optimizer) and says what of them a checkpoint holds.
 
     The variants of later lessons subclass this part and change what differs: CUDA graphs
     (training/graphs.py), pipeline stages (training/pipelined.py), DeepSpeed's engine
@@ -67,23 +68,23 @@ class EagerStep:
     n_params = 0  # of the whole (serial) model, counted by build_model
     engine: nn.Module | None = None  # the model inside an engine that build_optimizer makes (DeepSpeed)
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
+    def __init__(self, parts: StepParts) -> None:
+        self.parts = parts
 
     @classmethod
     def check(cls, cfg: Config, ctx: RunContext, local_batch: int) -> None:
         """Refuse, in one line (ValueError), a configuration this step cannot run."""
-        check_micro_batches(cfg, local_batch)  # accumulation's (and a pipeline's) micro-batches
+        context.check_micro_batches(cfg, local_batch)  # accumulation's (and a pipeline's) micro-batches
 
     # ------------------------------------------------------------------ building ---
     def build_model(self) -> nn.Module:
         """The serial ViT with the weights every layout starts from (drawn from the seed)."""
-        t = self.trainer
-        if needs_parallelize(t.cfg, t.ctx):
+        parts = self.parts
+        if context.needs_parallelize(parts.cfg, parts.ctx):
             return self.build_parallel_model()
-        model, self.n_params = build_on_meta(t.cfg.model)
-        model = model.to_empty(device=t.device)  # memory on the device, not yet initialised
-        model.reset_parameters(torch.Generator().manual_seed(t.cfg.run.seed))
+        model, self.n_params = build_on_meta(parts.cfg.model)
+        model = model.to_empty(device=parts.device)  # memory on the device, not yet initialised
+        model.reset_parameters(torch.Generator().manual_seed(parts.cfg.run.seed))
         return model
 
     def build_parallel_model(self) -> nn.Module:
@@ -91,41 +92,42 @@ class EagerStep:
         allocated and filled with the serial model's values from the seed (part 6)."""
         from distributed.parallelize import parallelize, serial_values
 
-        t = self.trainer
-        serial, self.n_params = build_on_meta(t.cfg.model)
-        model = parallelize(serial, t.ctx.mesh, t.device, t.cfg.layout, t.cfg.memory, t.cfg.optim,
-                            t.cfg.run.seed, serial_values(serial, t.cfg.run.seed))
-        if t.ctx.mesh.model_parallel:
-            log.info("%s; this rank holds %d of the model's %d parameters", t.ctx.mesh.describe(),
+        parts, cfg = self.parts, self.parts.cfg
+        serial, self.n_params = build_on_meta(cfg.model)
+        model = parallelize(serial, parts.ctx.mesh, parts.device, cfg.layout, cfg.memory, cfg.optim,
+                            cfg.run.seed, serial_values(serial, cfg.run.seed))
+        if parts.ctx.mesh.model_parallel:
+            log.info("%s; this rank holds %d of the model's %d parameters", parts.ctx.mesh.describe(),
                      count_parameters(unwrap(model)), self.n_params)
         return model
 
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        t = self.trainer
-        optimizer_class, options = optimizer_choice(t.cfg.optim, dev.adam_kernel(t.cfg.optim.enable_fused))
-        if t.ctx.mesh.world_size == 1:
-            return optimizer_class(t.model.parameters(), **options)
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The optimizer over ``model``'s parameters (build_model's)."""
+        parts, optim = self.parts, self.parts.cfg.optim
+        optimizer_class, options = optimizer_choice(optim, dev.adam_kernel(optim.enable_fused))
+        if parts.ctx.mesh.world_size == 1:
+            return optimizer_class(model.parameters(), **options)
         from distributed import sharding  # ZeRO-1's sharded state, LAMB's norms over the ranks' parts
 
-        return sharding.build_optimizer(t.model, optimizer_class, options, t.cfg.layout, t.ctx.mesh)
+        return sharding.build_optimizer(model, optimizer_class, options, parts.cfg.layout, parts.ctx.mesh)
 
     # --------------------------------------------------------------------- steps ---
     def compute(self, cache_enabled: bool = True) -> contextlib.ExitStack:
         """Where forward passes run: autocast to the run's precision, and its attention kernel
         (backward follows the kernels that forward chose)."""
-        t = self.trainer
+        parts = self.parts
         region = contextlib.ExitStack()
-        region.enter_context(dev.autocast(t.device, t.amp_mode, cache_enabled=cache_enabled))
-        if t.attention_kernel != "default":  # a kernel chosen instead of torch's own pick (part 2)
-            region.enter_context(attention.kernel(t.attention_kernel))
+        region.enter_context(dev.autocast(parts.device, parts.amp_mode, cache_enabled=cache_enabled))
+        if parts.attention_kernel != "default":  # a kernel chosen instead of torch's own pick (part 2)
+            region.enter_context(attention.kernel(parts.attention_kernel))
         return region
 
     def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) input and target -> the loss, a device scalar."""
-        t = self.trainer
+        parts = self.parts
         with self.compute(cache_enabled=self.autocast_cache):
-            pred = t.model(inp)
-        return t.loss_fn(pred.float(), tar)
+            pred = parts.model(inp)
+        return parts.loss_fn(pred.float(), tar)
 
     def train_step(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         """One optimizer step; returns the loss as a device tensor (no host sync).
@@ -133,21 +135,21 @@ class EagerStep:
         With ``grad_accum_steps`` N the batch runs as N micro-batches whose gradients add up;
         each loss is divided by N (the mean over the whole batch, as one big batch would give)
         and only the last micro-batch's backward reduces gradients over the ranks."""
-        t = self.trainer
-        n = t.cfg.memory.grad_accum_steps
-        total = torch.zeros((), device=t.device)
+        parts = self.parts
+        n = parts.cfg.memory.grad_accum_steps
+        total = torch.zeros((), device=parts.device)
         for i, (x, y) in enumerate(zip(inp.chunk(n), tar.chunk(n))):
             with self.gradient_sync(enabled=i == n - 1):
-                t.mark("forward")
+                parts.mark("forward")
                 with dev.nvtx_range("forward"):
                     loss = self.forward_loss(x, y) / n
-                    objective = loss + t.balancing_loss() / n  # the loss alone is logged
-                t.mark("backward")
+                    objective = loss + self.balancing_loss() / n  # the loss alone is logged
+                parts.mark("backward")
                 with dev.nvtx_range("backward"):
-                    (t.scaler.scale(objective) if t.scaler else objective).backward()
+                    (parts.scaler.scale(objective) if parts.scaler else objective).backward()
             total += loss.detach()
         self.optimizer_step()
-        t.record_experts()
+        self.record_experts()
         return total
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
@@ -156,41 +158,74 @@ class EagerStep:
             return contextlib.nullcontext()
         from distributed import sharding
 
-        return sharding.gradient_sync(self.trainer.model, enabled=False)
+        return sharding.gradient_sync(self.parts.model, enabled=False)
 
     def optimizer_step(self) -> None:
-        t = self.trainer
-        t.mark("optimizer step")
+        parts = self.parts
+        parts.mark("optimizer step")
         with dev.nvtx_range("optimizer"):
-            if t.cfg.optim.grad_clip_norm:
-                t.clip_gradients()
-            if t.scaler:
-                t.scaler.step(t.optimizer)
-                t.scaler.update()
+            if parts.cfg.optim.grad_clip_norm:
+                self.clip_gradients()
+            if parts.scaler:
+                parts.scaler.step(parts.optimizer)
+                parts.scaler.update()
             else:
-                t.optimizer.step()
-            t.optimizer.zero_grad(set_to_none=True)
-            t.scheduler.step()
+                parts.optimizer.step()
+            parts.optimizer.zero_grad(set_to_none=True)
+            parts.scheduler.step()
+
+    @functools.cached_property
+    def moe_layers(self) -> list[nn.Module]:
+        """The mixture-of-experts layers (networks/moe.py): their balancing loss joins the training
+        loss (a pipeline's stages: none)."""
+        raw = self.parts.raw_model
+        return [m for m in raw.modules() if hasattr(m, "aux_loss")] if isinstance(raw, nn.Module) else []
+
+    def balancing_loss(self) -> torch.Tensor | float:
+        """The mixture of experts' load-balancing loss of the last forward, weighted (0 without experts)."""
+        if not self.moe_layers:
+            return 0.0
+        return self.parts.cfg.model.moe_aux_weight * sum(m.aux_loss for m in self.moe_layers)
+
+    def record_experts(self) -> None:
+        """What each expert got in the step's (last) micro-batch, for the logs: each layer's shares
+        (layers, experts + 1; host) and balancing loss (layers,; device: no host sync here)."""
+        if self.moe_layers:
+            self.parts.moe_stats.append((torch.stack([m.stats for m in self.moe_layers]),
+                                         torch.stack([m.aux_loss.detach() for m in self.moe_layers])))
+
+    def clip_gradients(self) -> None:
+        """Scale the gradients so that the whole model's gradient norm is at most grad_clip_norm,
+        whatever the layout (distributed/clipping.py); keep the norm before clipping for the log.
+        fp16's gradients are unscaled first: the limit is on the true gradient."""
+        from distributed import clipping  # imported only by runs that clip
+
+        parts = self.parts
+        if parts.scaler:
+            parts.scaler.unscale_(parts.optimizer)  # scaler.step then knows not to unscale again
+        limit = parts.cfg.optim.grad_clip_norm
+        parts.grad_norms.append(clipping.clip_grad_norm(list(parts.model.parameters()), limit,
+                                                        parts.ctx.mesh))
 
     def predict(self, inp: torch.Tensor) -> torch.Tensor | None:
         with self.compute():
-            return self.trainer.model(inp)
+            return self.parts.model(inp)
 
     def to_device(self, inp: torch.Tensor, tar: torch.Tensor,
                   validating: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        nb = self.trainer.device.type == "cuda"  # pinned batches: the copy runs asynchronously
-        return inp.to(self.trainer.device, non_blocking=nb), tar.to(self.trainer.device, non_blocking=nb)
+        nb = self.parts.device.type == "cuda"  # pinned batches: the copy runs asynchronously
+        return inp.to(self.parts.device, non_blocking=nb), tar.to(self.parts.device, non_blocking=nb)
 
     # ---------------------------------------------------------------- validation ---
     def metric_groups(self) -> list[Any]:
         """The process groups over which validation sums its metrics."""
-        return [self.trainer.ctx.dp_group]
+        return [self.parts.ctx.dp_group]
 
     def gathers_in_forward(self) -> bool:
         """Collectives in every forward (FSDP's gathers, experts' all-to-all): the ranks must run
         as many validation batches."""
-        t = self.trainer
-        return t.fsdp_active or t.ctx.mesh.expert_parallel > 1
+        parts = self.parts
+        return parts.fsdp_active or parts.ctx.mesh.expert_parallel > 1
 
     def validated(self, result: dict[str, Any]) -> dict[str, Any]:
         """Validation's result, for rank 0's log (a pipeline sends the example image there)."""
@@ -198,7 +233,7 @@ class EagerStep:
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes this rank holds by kind (training/reporting.py)."""
-        return reporting.held_bytes(self.trainer.model, self.trainer.optimizer)
+        return reporting.held_bytes(self.parts.model, self.parts.optimizer)
 
     def run_started(self) -> None:
         """The run directory is locked and training starts (DeepSpeed writes its config here)."""
@@ -226,17 +261,22 @@ class Trainer:
     """Builds every component from a validated Config and a RunContext (device, ranks, mesh, run
     folder) and runs the epochs; ``step``: the step variant's class; ``callbacks``: named hooks."""
 
+    # what the step is handed (training/context.py: StepParts), read and written here by these names
+    cfg, ctx, local_batch, train_data, amp_mode, attention_kernel, loss_fn = (Part() for _ in range(7))
+    model, raw_model, optimizer, scheduler, scaler, writer = (Part() for _ in range(6))
+    step, epoch_steps, epoch_loss, grad_norms, moe_stats, heartbeat = (Part() for _ in range(6))
+
     def __init__(self, cfg: Config, ctx: RunContext, local_batch: int, step: type[EagerStep] = EagerStep,
                  callbacks: Sequence[Callback] = ()) -> None:
         step.check(cfg, ctx, local_batch)
-        self.cfg, self.ctx, self.local_batch = cfg, ctx, local_batch
+        self.parts = StepParts(cfg, ctx, local_batch)
         self.callbacks = list(callbacks)
         self.device = ctx.device
         dev.seed_all(cfg.run.seed)
         dev.configure_matmul(self.device)
         self.train_data = self.build_data("train", train=True)
         self.valid_data = self.build_data("valid", train=False)
-        self.fsdp_active = cfg.layout.sharded and ctx.mesh.dp_size > 1
+        self.fsdp_active = self.parts.fsdp_active
         # bf16 under FSDP comes from its mixed-precision policy (bf16 copies of the gathered
         # weights, fp32 master weights and gradient reduction), not from autocast; DeepSpeed's
         # from its engine (bf16 weights: autocast would only add casts)
@@ -244,34 +284,25 @@ class Trainer:
             else cfg.optim.amp_mode
         self.attention_kernel = self.choose_attention_kernel()  # a resumed run keeps its own
         self.loss_fn = torch.compile(relative_l2_loss) if cfg.optim.enable_jit else relative_l2_loss
-        self.variant = step(self)
+        self.variant = step(self.parts)
         self.model = self.variant.build_model()
         self.n_params = self.variant.n_params  # of the whole (serial) model
         self.raw_model = unwrap(self.model)
-        # mixture-of-experts layers (networks/moe.py): their balancing loss joins the training loss
-        self.moe_layers = [m for m in self.raw_model.modules() if hasattr(m, "aux_loss")] \
-            if isinstance(self.raw_model, nn.Module) else []  # (a pipeline's stages: no experts)
-        # per step: each layer's shares (layers, experts + 1) and balancing loss (layers,)
-        self.moe_stats: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.optimizer = self.variant.build_optimizer()
+        self.optimizer = self.variant.build_optimizer(self.model)
         self.model = self.model if self.variant.engine is None else self.variant.engine
-        self.weights = self.variant.state_class(self)  # the model and optimizer in a checkpoint
+        self.weights = self.variant.state_class(self.variant)  # the model and optimizer in a checkpoint
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, make_lr_lambda(cfg.optim))
         self.scaler = dev.make_grad_scaler(self.device, cfg.optim.amp_mode)
         self.lat_weights = latitude_weights(cfg.model.img_size[0], self.device)
         self.channels = channel_names(cfg.data.data_dir, cfg.model.n_in_channels)[: cfg.model.n_out_channels]
         self.watches = self.build_watches()  # profilers and memory record, where the run asks
-        self.step = 0  # optimizer steps done
         self.epoch_loss = torch.zeros((), device=self.device)  # running sum in this epoch
-        self.epoch_steps = 0
-        self.grad_norms: list[torch.Tensor] = []  # this epoch's, before clipping (device scalars)
-        self.writer: SummaryWriter | None = None
         self.stop_agreement = StopAgreement(self.device, cfg.run.stop_check_every)
         self.stopped_early = False  # a stop signal ended training before num_iters
         self.stop_agreed = False  # every rank has agreed to stop, at the next step the variant may
         self.next_layout: dict[str, Any] | None = None  # the layout the run continues in (launcher)
         self._steps_at_start = 0  # the step this process started from (set by fit)
-        self.heartbeat = heartbeat()  # where this rank is, for the diagnosis of a hang
+        self.heartbeat = new_heartbeat()  # where this rank is, for the diagnosis of a hang
         if self.heartbeat is not None:
             from distributed.health import collectives_by_phase  # loaded by distributed runs only
 
@@ -330,30 +361,6 @@ class Trainer:
 
     def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         return self.variant.forward_loss(inp, tar)
-
-    def balancing_loss(self) -> torch.Tensor | float:
-        """The mixture of experts' load-balancing loss of the last forward, weighted (0 without experts)."""
-        if not self.moe_layers:
-            return 0.0
-        return self.cfg.model.moe_aux_weight * sum(m.aux_loss for m in self.moe_layers)
-
-    def record_experts(self) -> None:
-        """What each expert got in the step's (last) micro-batch, for the logs: shares (host) and
-        the balancing loss (device: no host sync here, one per epoch)."""
-        if self.moe_layers:
-            self.moe_stats.append((torch.stack([m.stats for m in self.moe_layers]),
-                                   torch.stack([m.aux_loss.detach() for m in self.moe_layers])))
-
-    def clip_gradients(self) -> None:
-        """Scale the gradients so that the whole model's gradient norm is at most grad_clip_norm,
-        whatever the layout (distributed/clipping.py); keep the norm before clipping for the log.
-        fp16's gradients are unscaled first: the limit is on the true gradient."""
-        from distributed import clipping  # imported only by runs that clip
-
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)  # scaler.step then knows not to unscale again
-        limit = self.cfg.optim.grad_clip_norm
-        self.grad_norms.append(clipping.clip_grad_norm(list(self.model.parameters()), limit, self.ctx.mesh))
 
     def to_device(self, inp: torch.Tensor, tar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.variant.to_device(inp, tar)
@@ -448,7 +455,7 @@ class Trainer:
         own keys of the checkpoint): this Trainer's progress first (it refuses a NaN), the model
         and optimizer (the step variant's, training/state.py), the schedule, the loss
         scaler, the random generators, the configuration."""
-        return [LoopState(self), self.weights, checkpointing.ScheduleState(self.scheduler),
+        return [LoopState(self.parts), self.weights, checkpointing.ScheduleState(self.scheduler),
                 checkpointing.ScalerState(self.scaler), checkpointing.RandomState(self.device),
                 checkpointing.ConfigRecord(self.cfg)]
 
@@ -461,16 +468,6 @@ class Trainer:
         checkpointing.load(path, self.checkpoint_parts(),
                            shards=self.weights if self.weights.sharded else None)
         log.info("resumed from %s at step %d", path, self.step)
-
-    def replace_model(self, build: Callable[[], nn.Module]) -> None:
-        """The model's wrapper made again (freezing's DDP); the old one's hooks are freed first."""
-        self.model = None
-        gc.collect()
-        self.model = build()
-
-    def restore_progress(self, step: int, attention_kernel: str, epoch_steps: int) -> None:
-        """Where a checkpoint left the loop (training/state.py: LoopState)."""
-        self.step, self.attention_kernel, self.epoch_steps = step, attention_kernel, epoch_steps
 
     def set_lr_factor(self, factor: Callable[[int], float]) -> None:
         """Another schedule: step i's rate is ``lr`` x factor(i) (the range test's growing rate)."""
@@ -487,8 +484,7 @@ class Trainer:
 
     def mark(self, phase: str) -> None:
         """Where this rank is in its work, for the diagnosis of a hang (distributed/health.py)."""
-        if self.heartbeat is not None:
-            self.heartbeat.mark(self.step, phase)
+        self.parts.mark(phase)
 
     # ------------------------------------------------------------------- logging ---
     def open_writer(self) -> None:
