@@ -531,14 +531,12 @@ def run_rung(name: str, cfg: Config, opts: Options, batch: int, flops: float,
     trainer = Trainer(cfg, RunContext(device=opts.device, run_dir=run_dir), batch, step=step_class(name),
                       callbacks=[timed])
     t0 = time.perf_counter()
-    trainer.model.train()
     timed.begin()
     settings = {k: getattr(cfg, k) for k in ("data_loader_config", "num_data_workers", "amp_mode",
                                              "enable_fused", "enable_jit")}
     try:
-        while trainer.step < total:
-            epoch, start = divmod(trainer.step, trainer.train_data.batches_per_epoch)
-            trainer.train_epoch(epoch, start)
+        for _ in trainer.run_steps(total):
+            pass
         dev.synchronize(opts.device)
         timed.raise_if_not_finite()
     except NonFiniteLossError as err:

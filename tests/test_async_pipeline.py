@@ -245,12 +245,12 @@ def test_the_loss_is_shared_before_the_loop_reads_it():
     step = AsyncPipelineStep(SimpleNamespace(cfg=cfg, train_data=SimpleNamespace(batches_per_epoch=5)))
     assert [d for d in range(1, 13) if step.loss_read_after(d)] == [1, 4, 5, 8, 10, 11, 12]
     assert [d for d in range(1, 13) if step.may_stop_after(d)] == [4, 8, 12]
-    trainer = SimpleNamespace(model=SimpleNamespace(unshared=[object()]))
+    parts = SimpleNamespace(model=SimpleNamespace(unshared=[object()]))
     with pytest.raises(RuntimeError, match="not shared"):
-        AsyncPipelineState(trainer).state_dict()
-    trainer = SimpleNamespace(step=5, model=SimpleNamespace(unshared=[], engine=SimpleNamespace(flights=[1])))
+        AsyncPipelineState(SimpleNamespace(parts=parts)).state_dict()
+    parts = SimpleNamespace(step=5, model=SimpleNamespace(unshared=[], engine=SimpleNamespace(flights=[1])))
     with pytest.raises(RuntimeError, match="does not drain"):
-        AsyncPipelineState(trainer).state_dict()
+        AsyncPipelineState(SimpleNamespace(parts=parts)).state_dict()
 
 
 def test_one_pipeline_only():

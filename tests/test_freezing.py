@@ -235,8 +235,8 @@ def _block_norms_under_ddp() -> None:
     model.blocks = nn.ModuleDict({"0": nn.Linear(2, 2), "1": nn.Linear(2, 2)})
     model.blocks["1"](model.blocks["0"](torch.ones(1, 2))).sum().backward()
     cfg = SimpleNamespace(model=SimpleNamespace(depth=2, backbone="vit"))
-    trainer = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), model=DistributedDataParallel(model))
-    norms = Freezing.block_norms(SimpleNamespace(trainer=trainer))
+    parts = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), model=DistributedDataParallel(model))
+    norms = Freezing.block_norms(SimpleNamespace(parts=parts))
     assert (norms > 0).all(), norms
 
 

@@ -22,9 +22,9 @@ MAX_LINES = 450
 # the spine: page 1 promises the single-device step and the epoch loop in one file; every config
 # key is declared once, in its group, with its help text and the group's own checks (trainer.py's
 # 5 lines more: a run that changes its layout as blocks freeze, part 12, asks the step variant
-# before each step; 15 more: run_steps, the loop the range test and the batch-scaling study
-# drive; config_groups.py's 85: part 12's freezing group, part 13's pipeline keys, 1-bit Adam,
-# whether a resumed run may change each key, data_parallel's modes as properties)
+# before each step; 15 more: run_steps, the loop the benchmark, the range test and the
+# batch-scaling study drive; config_groups.py's 85: part 12's freezing group, part 13's pipeline
+# keys, 1-bit Adam, whether a resumed run may change each key, data_parallel's modes as properties)
 LONGER = {"training/trainer.py": 590, "utils/config_groups.py": 585}
 # the one module allowed to use torch's private names (each use guarded and explained there)
 COMPAT_MODULE = "utils/compat.py"

@@ -17,8 +17,8 @@ from tests.test_training import SINGLE_DEVICE_MODULES, project_modules, write_te
 
 # what one step of a single-device run calls, file by file (the step: forward, loss, backward,
 # optimizer step), and what a step of DDP on two ranks adds
-STEP_FILES_ONE_DEVICE = {"training/trainer.py", "networks/vit.py", "networks/backbone.py", "utils/metrics.py",
-                         "utils/device.py", "training/schedule.py"}
+STEP_FILES_ONE_DEVICE = {"training/trainer.py", "training/context.py", "networks/vit.py", "utils/metrics.py",
+                         "networks/backbone.py", "utils/device.py", "training/schedule.py"}
 STEP_FILES_DDP = STEP_FILES_ONE_DEVICE | {"distributed/health.py"}
 # the project's modules a run of train.py imports (python -X importtime), train.py itself not counted
 IMPORTED_ONE_DEVICE = SINGLE_DEVICE_MODULES  # measured by test_training.py's run of train.py

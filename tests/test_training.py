@@ -286,13 +286,25 @@ def test_plot_training_script(tmp_path, capsys):
 
 
 def test_run_steps_goes_on_across_epochs_and_stops_when_asked(cfg_factory, tmp_path):
-    """``Trainer.run_steps``: the scripts' loop (range test, batch-scaling study): 5 steps over
-    2-step epochs, each with the rate it used; a caller that stops early stops the training."""
-    from training.context import RunContext
+    """``Trainer.run_steps``: the scripts' loop (benchmark, range test, batch-scaling study): 5 steps
+    over 2-step epochs, each with the rate it used, the callbacks around each; a caller that stops
+    early stops the training."""
+    from training.context import Callback, RunContext
     from training.trainer import Trainer
 
+    class Count(Callback):
+        starts = ends = 0
+
+        def step_start(self, trainer):
+            self.starts += 1
+
+        def step_end(self, trainer, loss):
+            self.ends += 1
+
     cfg = cfg_factory(num_iters=8, limit_nsamples=8, warmup=0, lr_schedule="cosine")
-    trainer = Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path / "run"), 4)
+    count = Count()
+    trainer = Trainer(cfg, RunContext(device=torch.device("cpu"), run_dir=tmp_path / "run"), 4,
+                      callbacks=[count])
     assert trainer.train_data.batches_per_epoch == 2
     ran = list(trainer.run_steps(5))
     assert len(ran) == 5 and all(torch.isfinite(loss) for _, loss in ran)
@@ -303,3 +315,4 @@ def test_run_steps_goes_on_across_epochs_and_stops_when_asked(cfg_factory, tmp_p
             break
     first = next(iter(trainer.model.parameters()))
     assert trainer.optimizer.state[first]["step"].item() == 7  # 2 more steps, not 5
+    assert trainer.step == 7 and (count.starts, count.ends) == (7, 7)

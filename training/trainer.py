@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import math
 import time
@@ -362,23 +361,42 @@ class Trainer:
     def forward_loss(self, inp: torch.Tensor, tar: torch.Tensor) -> torch.Tensor:
         return self.variant.forward_loss(inp, tar)
 
-    def to_device(self, inp: torch.Tensor, tar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.variant.to_device(inp, tar)
-
     def run_steps(self, n: int) -> Iterator[tuple[float, torch.Tensor]]:
-        """``n`` optimizer steps, epoch after epoch, with no validation, log or checkpoint (the range
-        test's and the batch-scaling study's loop): yields each step's learning rate and loss (a
-        device tensor) after the step; the caller may stop early."""
-        for epoch in itertools.count() if self.train_data.batches_per_epoch else ():
-            self.train_data.set_epoch(epoch, 0)
-            for batch in self.train_data:
+        """``n`` steps of the loop (as fit's, with the callbacks), epoch after epoch, with no
+        validation, log or checkpoint: the benchmark's, the range test's and the batch-scaling
+        study's loop. Yields each step's learning rate and loss (a device tensor) after the step;
+        the caller may stop early."""
+        self.model.train()
+        while n > 0 and self.train_data.batches_per_epoch:
+            epoch, start = divmod(self.step, self.train_data.batches_per_epoch)
+            self.train_data.set_epoch(epoch, start)
+            for i, batch in enumerate(self.train_data):
                 lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule moves it after)
-                loss = self.train_step(*self.to_device(*batch))
-                self.train_data.give_back(*batch)
-                yield lr, loss
+                yield lr, self.run_step(batch, epoch, start + i)
                 n -= 1
                 if n == 0:
                     return
+
+    def run_step(self, batch: tuple[torch.Tensor, torch.Tensor], epoch: int, index: int) -> torch.Tensor:
+        """One step on ``batch`` (the epoch's ``index``-th; host tensors (B, C, H, W)): to the device,
+        the callbacks around the step variant's step, the epoch's loss and the step count."""
+        with self.watched(epoch, index), dev.nvtx_range(f"step {self.step}"):
+            with dev.nvtx_range(f"data copy in {self.step}"):
+                inp, tar = self.variant.to_device(*batch)
+            with reporting.compile_notice(self.device, self.cfg.optim.enable_jit and
+                                          self.step == self._steps_at_start):
+                self.mark("forward")  # (a pipelined step marks nothing finer)
+                for callback in self.callbacks:
+                    callback.step_start(self)
+                loss = self.train_step(inp, tar)
+                for callback in self.callbacks:
+                    loss = callback.step_end(self, loss) or loss
+                self.epoch_loss += loss
+        del inp, tar
+        self.train_data.give_back(*batch)  # the step is over: the loader may reuse its memory
+        self.step += 1
+        self.epoch_steps += 1
+        return loss
 
     def train_epoch(self, epoch: int, start_batch: int) -> int:
         """Train from ``start_batch`` to the end of the epoch or of training; returns steps run."""
@@ -389,22 +407,7 @@ class Trainer:
             self.next_layout = self.variant.next_layout()  # another: a checkpoint, the launcher moves on
             if self.step >= optim.num_iters or self.next_layout is not None:
                 break
-            with self.watched(epoch, start_batch + done), dev.nvtx_range(f"step {self.step}"):
-                with dev.nvtx_range(f"data copy in {self.step}"):
-                    inp, tar = self.to_device(*batch)
-                with reporting.compile_notice(self.device, optim.enable_jit and
-                                              self.step == self._steps_at_start):
-                    self.mark("forward")  # (a pipelined step marks nothing finer)
-                    for callback in self.callbacks:
-                        callback.step_start(self)
-                    loss = self.train_step(inp, tar)
-                    for callback in self.callbacks:
-                        loss = callback.step_end(self, loss) or loss
-                    self.epoch_loss += loss
-            del inp, tar
-            self.train_data.give_back(*batch)  # the step is over: the loader may reuse its memory
-            self.step += 1
-            self.epoch_steps += 1
+            self.run_step(batch, epoch, start_batch + done)
             done += 1
             self.mark("stop check")
             self.stop_agreed = self.stop_agreed or self.stop_agreement.poll(self.step)
