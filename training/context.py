@@ -63,8 +63,8 @@ class StepParts:
     amp_mode: str = "none"  # the autocast precision of the forward ("none" where FSDP or an engine casts)
     attention_kernel: str = "default"  # utils/attention.py's kernel, kept on resume
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (prediction, target)
-    # built by the step variant, in this order; ``model`` is what steps (DDP, FSDP or an engine
-    # around ``raw_model``, which has the serial names); freezing replaces it mid-run
+    # built by the Trainer, the model and optimizer by the step variant; ``model`` is what steps
+    # (DDP, FSDP or an engine around ``raw_model``, which has the serial names); freezing replaces it
     model: Any = None
     raw_model: nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
