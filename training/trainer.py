@@ -264,18 +264,17 @@ class Trainer:
     cfg, ctx, local_batch, train_data, amp_mode, attention_kernel, loss_fn = (Part() for _ in range(7))
     model, raw_model, optimizer, scheduler, scaler, writer = (Part() for _ in range(6))
     step, epoch_steps, epoch_loss, grad_norms, moe_stats, heartbeat = (Part() for _ in range(6))
+    device, fsdp_active = Part(), Part()  # read only (StepParts' properties)
 
     def __init__(self, cfg: Config, ctx: RunContext, local_batch: int, step: type[EagerStep] = EagerStep,
                  callbacks: Sequence[Callback] = ()) -> None:
         step.check(cfg, ctx, local_batch)
         self.parts = StepParts(cfg, ctx, local_batch)
         self.callbacks = list(callbacks)
-        self.device = ctx.device
         dev.seed_all(cfg.run.seed)
         dev.configure_matmul(self.device)
         self.train_data = self.build_data("train", train=True)
         self.valid_data = self.build_data("valid", train=False)
-        self.fsdp_active = self.parts.fsdp_active
         # bf16 under FSDP comes from its mixed-precision policy (bf16 copies of the gathered
         # weights, fp32 master weights and gradient reduction), not from autocast; DeepSpeed's
         # from its engine (bf16 weights: autocast would only add casts)
